@@ -1,0 +1,122 @@
+"""Shared launcher helpers: where a kernel may run, shape flattening, GPU facts."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+#: Whether Triton's interpreter was switched on before Triton was imported (it decides at decoration time).
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_device(op: str, *tensors: torch.Tensor) -> None:
+    """Triton kernels run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``; nothing else."""
+    first = tensors[0].device
+    for t in tensors:
+        if t.device != first:
+            raise ValueError(f"{op}: all tensors must be on one device, got {first} and {t.device}")
+    if first.type in ("cuda", "meta"):  # meta: shape-only runs (activation accounting)
+        return
+    if first.type == "cpu" and INTERPRETING:
+        return
+    if first.type == "cpu":
+        raise RuntimeError(
+            f"{op}: the Triton kernels need CUDA tensors. To run them on CPU (slowly, for testing) set "
+            "TRITON_INTERPRET=1 before Triton is imported; or use backend='reference'.")
+    raise RuntimeError(f"{op}: unsupported device {first} (Triton kernels run on CUDA)")
+
+
+def use_custom_op(x: torch.Tensor) -> bool:
+    """Route through the ``torch.library`` custom ops (rather than launching directly) while
+    torch.compile traces, and for meta tensors, whose shapes the ops' fake implementations give."""
+    return torch.compiler.is_compiling() or x.device.type == "meta"
+
+
+def check_float(op: str, *tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.dtype not in _TRITON_DTYPES:
+            raise TypeError(f"{op}: expected float32, float16 or bfloat16 tensors, got {t.dtype}")
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """View ``x[..., n]`` as ``[rows, n]`` with a unit column stride, copying only when no view exists."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[-1] > 1 and rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return rows
+
+
+def as_4d(x: torch.Tensor) -> torch.Tensor:
+    """View ``x[..., seq, d]`` as ``[batch, heads, seq, d]`` with a unit last stride.
+
+    The two leading strides are kept separate so that ``[batch, heads, seq, d]`` views of a
+    ``[batch, seq, heads*d]`` projection need no copy; only leading dims beyond two are collapsed.
+    """
+    if x.dim() < 2:
+        raise ValueError(f"expected at least [seq, d], got {tuple(x.shape)}")
+    while x.dim() < 4:
+        x = x.unsqueeze(0)
+    if x.dim() > 4:
+        try:
+            x = x.view(-1, *x.shape[-3:])
+        except RuntimeError:
+            x = x.reshape(-1, *x.shape[-3:])
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        x = x.contiguous()
+    return x
+
+
+@functools.lru_cache(maxsize=8)
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_persistent_programs(x: torch.Tensor, n_blocks: int, per_sm: int = 4) -> int:
+    """Programs for a grid-stride loop: enough to fill the GPU, never more than the work."""
+    if x.device.type == "cuda":
+        return max(1, min(n_blocks, per_sm * sm_count(x.device.index or 0)))
+    return max(1, min(n_blocks, 4))  # interpreter: programs run one after another anyway
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(1, int(n)))
+
+
+def install_interpreter_bf16_dot_shim() -> bool:
+    """Make the interpreter's ``tl.dot`` correct on bfloat16 operands.
+
+    The interpreter keeps bf16 values as raw uint16 bit patterns and its dot multiplies those patterns
+    (triton-lang/triton#11584). The shim widens bf16 operands to fp32 before the matmul, which is what
+    the GPU's tensor cores compute (bf16 products accumulated in fp32). Only touches the interpreter.
+    """
+    try:
+        from triton.runtime import interpreter as interp
+    except ImportError:  # pragma: no cover
+        return False
+    builder = interp.InterpreterBuilder
+    if getattr(builder.create_dot, "_tritonlm_bf16_shim", False):
+        return True
+    original = builder.create_dot
+    tl = interp.tl
+    np = interp.np
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar == tl.bfloat16 or b.dtype.scalar == tl.bfloat16:
+            def widen(h):
+                if h.dtype.scalar != tl.bfloat16:
+                    return h
+                # a bf16 bit pattern is the top half of the fp32 with the same value
+                data = (h.data.astype(np.uint32) << np.uint32(16)).view(np.float32)
+                return interp.TensorHandle(data, tl.float32)
+
+            a, b = widen(a), widen(b)
+        return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    create_dot._tritonlm_bf16_shim = True
+    builder.create_dot = create_dot
+    return True

@@ -1,0 +1,264 @@
+"""RMSNorm: ``y = x * rstd * weight`` with ``rstd = 1 / sqrt(mean(x²) + eps)``, fp32 math.
+
+Forward reads x and the weight once and writes y in x's dtype, saving only the per-row ``rstd`` (fp32).
+Backward, with ``xhat = x * rstd`` and ``g = dy * weight``::
+
+    dx      = rstd * (g - xhat * mean(g * xhat))      (per row)
+    dweight = sum over rows of dy * xhat
+
+``dweight`` is summed per program into a ``[programs, n_cols]`` fp32 buffer, then reduced by a second
+small kernel: deterministic, no float atomics.
+
+Launch rule (:func:`_launch_config`): a row of up to ``MAX_FUSED_COLS`` elements is held in registers
+(``ROW_IN_REGISTERS``) and small rows are packed several per program so a tile holds ~4K elements; longer
+rows are walked in ``CHUNK_COLS``-wide chunks, twice (statistics, then output), the second pass served
+from L2. ``num_warps`` grows with the tile: 4K elements over 4 warps is 32 values per thread.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import as_rows, check_device, check_float, next_pow2, num_persistent_programs, use_custom_op
+
+MAX_FUSED_COLS = 8192   # widest row kept whole in registers (fp32: 8192 / (32 × 16 warps) = 16 per thread)
+CHUNK_COLS = 4096       # chunk width when a row is longer than that
+TILE_ELEMENTS = 4096    # rows packed per program for short rows: BLOCK_M × BLOCK_N ≈ this
+
+
+# ----------------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _rms_norm_fwd_kernel(
+    X, W, Y, RSTD,
+    stride_x_row, stride_y_row, n_rows, n_cols, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_IN_REGISTERS: tl.constexpr,
+):
+    # ---- which rows: BLOCK_M consecutive rows per program
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    cols = tl.arange(0, BLOCK_N)
+    x_rows = X + rows[:, None].to(tl.int64) * stride_x_row
+    y_rows = Y + rows[:, None].to(tl.int64) * stride_y_row
+
+    if ROW_IN_REGISTERS:
+        # ---- load: the whole row stays in registers
+        mask = row_mask[:, None] & (cols[None, :] < n_cols)
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        # ---- compute
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+        y = x * rstd[:, None] * w[None, :]
+        # ---- store
+        tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    else:
+        # ---- pass 1: sum of squares chunk by chunk
+        sum_sq = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            mask = row_mask[:, None] & (start + cols[None, :] < n_cols)
+            x = tl.load(x_rows + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            sum_sq += x * x
+        rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, axis=1) / n_cols + eps)
+        # ---- pass 2: normalise and store
+        for start in range(0, n_cols, BLOCK_N):
+            col_mask = start + cols < n_cols
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = tl.load(x_rows + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(W + start + cols, mask=col_mask, other=0.0).to(tl.float32)
+            y = x * rstd[:, None] * w[None, :]
+            tl.store(y_rows + start + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    DY, X, W, RSTD, DX, DW_PARTIAL,
+    stride_dy_row, stride_x_row, stride_dx_row, n_rows, n_cols, blocks_per_program,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_IN_REGISTERS: tl.constexpr,
+):
+    # Grid-stride loop: program p handles row blocks p, p + P, p + 2P, ... and owns row p of DW_PARTIAL.
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    dw_row = DW_PARTIAL + pid.to(tl.int64) * n_cols
+
+    if ROW_IN_REGISTERS:
+        col_mask = cols < n_cols
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for i in range(0, blocks_per_program):
+            rows = (pid + i * n_programs) * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_mask = rows < n_rows
+            mask = row_mask[:, None] & col_mask[None, :]
+            rows64 = rows[:, None].to(tl.int64)
+            # ---- load
+            x = tl.load(X + rows64 * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + rows64 * stride_dy_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+            # ---- compute
+            xhat = x * rstd[:, None]
+            g = dy * w[None, :]
+            mean_gx = tl.sum(g * xhat, axis=1) / n_cols
+            dx = (g - xhat * mean_gx[:, None]) * rstd[:, None]
+            dw_acc += tl.sum(dy * xhat, axis=0)
+            # ---- store
+            tl.store(DX + rows64 * stride_dx_row + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        tl.store(dw_row + cols, dw_acc, mask=col_mask)
+    else:
+        # Long rows: chunked twice per row block; this program's DW_PARTIAL row (zeroed by the launcher)
+        # accumulates in memory because a whole row of partial sums does not fit in registers.
+        for i in range(0, blocks_per_program):
+            rows = (pid + i * n_programs) * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_mask = rows < n_rows
+            rows64 = rows[:, None].to(tl.int64)
+            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+            # ---- pass 1: mean(g * xhat)
+            gx_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_N):
+                col_mask = start + cols < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                x = tl.load(X + rows64 * stride_x_row + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                dy = tl.load(DY + rows64 * stride_dy_row + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                w = tl.load(W + start + cols, mask=col_mask, other=0.0).to(tl.float32)
+                gx_acc += dy * w[None, :] * x
+            mean_gx = tl.sum(gx_acc, axis=1) * rstd / n_cols
+            # ---- pass 2: dx, and dweight into this program's partial row
+            for start in range(0, n_cols, BLOCK_N):
+                col_mask = start + cols < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                x = tl.load(X + rows64 * stride_x_row + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                dy = tl.load(DY + rows64 * stride_dy_row + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                w = tl.load(W + start + cols, mask=col_mask, other=0.0).to(tl.float32)
+                xhat = x * rstd[:, None]
+                dx = (dy * w[None, :] - xhat * mean_gx[:, None]) * rstd[:, None]
+                tl.store(DX + rows64 * stride_dx_row + start + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+                dw = tl.load(dw_row + start + cols, mask=col_mask, other=0.0)
+                tl.store(dw_row + start + cols, dw + tl.sum(dy * xhat, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _column_sum_kernel(PARTIAL, OUT, n_partials, n_cols, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """OUT[c] = sum_p PARTIAL[p, c], in a fixed order (deterministic)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    for start in range(0, n_partials, BLOCK_P):
+        parts = start + tl.arange(0, BLOCK_P)
+        mask = (parts[:, None] < n_partials) & col_mask[None, :]
+        acc += tl.load(PARTIAL + parts[:, None].to(tl.int64) * n_cols + cols[None, :], mask=mask, other=0.0)
+    tl.store(OUT + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=col_mask)
+
+
+# ----------------------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------------------
+def _launch_config(n_cols: int) -> dict:
+    """Block sizes and warps for a row length (see the module docstring for the rule)."""
+    if n_cols <= MAX_FUSED_COLS:
+        block_n = next_pow2(n_cols)
+        block_m = max(1, min(16, TILE_ELEMENTS // block_n))
+    else:
+        block_n, block_m = CHUNK_COLS, 1
+    tile = block_m * block_n
+    num_warps = 4 if tile <= 4096 else (8 if tile <= 8192 else 16)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, ROW_IN_REGISTERS=n_cols <= MAX_FUSED_COLS, num_warps=num_warps)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if weight.dim() != 1:
+        raise ValueError(f"rms_norm: weight must be 1-D [d_model], got {tuple(weight.shape)}")
+    if x.dim() == 0 or x.shape[-1] != weight.shape[0]:
+        raise ValueError(f"rms_norm: x must be [..., {weight.shape[0]}], got {tuple(x.shape)}")
+    check_float("rms_norm", x, weight)
+    if x.dtype != weight.dtype and not (weight.dtype == torch.float32 and torch.is_autocast_enabled()):
+        raise TypeError(f"rms_norm: x is {x.dtype} but weight is {weight.dtype}; cast one of them "
+                        "(an fp32 weight with low-precision x is accepted under autocast)")
+    check_device("rms_norm", x, weight)
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """Returns ``(y, rstd)``: y like x, rstd fp32 ``[rows]``."""
+    x_rows = as_rows(x)
+    n_rows, n_cols = x_rows.shape
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous: row stride n_cols
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if n_rows:
+        cfg = _launch_config(n_cols)
+        grid = (triton.cdiv(n_rows, cfg["BLOCK_M"]),)
+        _rms_norm_fwd_kernel[grid](x_rows, weight, y, rstd, x_rows.stride(0), n_cols, n_rows, n_cols,
+                                   float(eps), **cfg)
+    return y, rstd
+
+
+def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor):
+    """Returns ``(dx, dweight)``."""
+    x_rows, dy_rows = as_rows(x), as_rows(dy)
+    n_rows, n_cols = x_rows.shape
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous: row stride n_cols
+    cfg = _launch_config(n_cols)
+    n_blocks = triton.cdiv(n_rows, cfg["BLOCK_M"])
+    n_programs = num_persistent_programs(x, n_blocks)
+    dw_partial = torch.zeros((n_programs, n_cols), dtype=torch.float32, device=x.device)
+    if n_rows:
+        _rms_norm_bwd_kernel[(n_programs,)](
+            dy_rows, x_rows, weight, rstd, dx, dw_partial, dy_rows.stride(0), x_rows.stride(0), n_cols,
+            n_rows, n_cols, triton.cdiv(n_blocks, n_programs), **cfg)
+    dweight = torch.empty(n_cols, dtype=weight.dtype, device=weight.device)
+    block_n = min(1024, next_pow2(n_cols))
+    _column_sum_kernel[(triton.cdiv(n_cols, block_n),)](dw_partial, dweight, n_programs, n_cols,
+                                                         BLOCK_P=16, BLOCK_N=block_n, num_warps=4)
+    return dx, dweight
+
+
+# ----------------------------------------------------------------------------------------------------
+# torch.library custom ops: opaque to torch.compile, so a fused model traces with fullgraph=True
+# ----------------------------------------------------------------------------------------------------
+@torch.library.custom_op("tritonlm::rms_norm_fwd", mutates_args=())
+def _rms_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return rms_norm_forward(x, weight, eps)
+
+
+@_rms_norm_fwd_op.register_fake
+def _(x, weight, eps):
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(rows, dtype=torch.float32)
+
+
+@torch.library.custom_op("tritonlm::rms_norm_bwd", mutates_args=())
+def _rms_norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                     rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return rms_norm_backward(dy, x, weight, rstd)
+
+
+@_rms_norm_bwd_op.register_fake
+def _(dy, x, weight, rstd):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """Autograd wrapper: saves x, the weight and ``rstd`` only. Under torch.compile it calls the
+    custom ops above; in eager mode the launchers directly (no dispatcher overhead)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5):
+        fwd = _rms_norm_fwd_op if use_custom_op(x) else rms_norm_forward
+        y, rstd = fwd(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        bwd = _rms_norm_bwd_op if use_custom_op(x) else rms_norm_backward
+        dx, dweight = bwd(dy, x, weight, rstd)
+        return dx, dweight, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """Fused RMSNorm of ``x[..., d_model]`` with ``weight[d_model]``; returns x's dtype."""
+    _check(x, weight)
+    return RMSNormFunction.apply(x, weight, eps)

@@ -1,0 +1,211 @@
+"""Rotary position embedding on interleaved pairs, q and k rotated in one launch.
+
+Pair ``i`` of a head vector, ``(x[2i], x[2i+1])``, at position ``m`` is rotated by ``m * theta**(-2i/d)``::
+
+    out[2i]   = x[2i] cos - x[2i+1] sin
+    out[2i+1] = x[2i] sin + x[2i+1] cos
+
+The angles' cos/sin come from fp64-computed tables stored as fp32 ``[max_seq_len, d/2]`` (the module's
+non-persistent buffers, or :func:`rope_tables`), so the kernel matches the reference bit for bit in
+fp32 at any position; the tables are shared by every head and stay in L2. Backward is the inverse
+rotation (``sin -> -sin``), the same kernel with ``INVERSE``.
+
+Inputs are ``[..., seq, d]`` with any leading dims, viewed as ``[batch, heads, seq, d]`` with separate
+batch and head strides, so the ``[batch, heads, seq, d]`` view of a ``[batch, seq, heads*d]`` projection is
+read in place. Each program loads a ``[BLOCK_S, d]`` tile as contiguous rows (vectorised loads) and
+splits even/odd lanes in registers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import as_4d, check_device, check_float, next_pow2, use_custom_op
+
+TILE_ELEMENTS = 4096  # BLOCK_S × BLOCK_D per program
+
+
+@triton.jit
+def _rope_kernel(
+    Q, K, Q_OUT, K_OUT, COS, SIN, POS,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+    stride_qob, stride_qoh, stride_qos, stride_kob, stride_koh, stride_kos,
+    stride_pb, stride_ph, stride_ps,
+    n_heads, seq_len, d_head,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, INVERSE: tl.constexpr,
+):
+    # grid: (seq blocks, batch*heads, 1 for q only / 2 for q and k)
+    pid_s = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // n_heads
+    h = pid_bh % n_heads
+    s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    s_mask = s < seq_len
+    cols = tl.arange(0, BLOCK_D)
+    mask = s_mask[:, None] & (cols[None, :] < d_head)
+
+    # ---- positions -> cos/sin of each (position, pair); pair index of lane c is c // 2
+    pos = tl.load(POS + b * stride_pb + h * stride_ph + s * stride_ps, mask=s_mask, other=0)
+    half = d_head // 2
+    table = pos[:, None].to(tl.int64) * half + (cols // 2)[None, :]
+    cos = tl.load(COS + table, mask=mask, other=1.0)
+    sin = tl.load(SIN + table, mask=mask, other=0.0)
+    if INVERSE:
+        sin = -sin
+    # each lane's partner is the other lane of its pair: x[c ^ 1]; even lanes subtract x_odd*sin,
+    # odd lanes add x_even*sin, so sign = -1 on even lanes, +1 on odd lanes
+    sign = tl.where(cols % 2 == 0, -1.0, 1.0)
+
+    # ---- q (program axis 2 == 0) or k (== 1)
+    if tl.program_id(2) == 0:
+        src = Q + b.to(tl.int64) * stride_qb + h * stride_qh
+        dst = Q_OUT + b.to(tl.int64) * stride_qob + h * stride_qoh
+        src_s, dst_s = stride_qs, stride_qos
+    else:
+        src = K + b.to(tl.int64) * stride_kb + h * stride_kh
+        dst = K_OUT + b.to(tl.int64) * stride_kob + h * stride_koh
+        src_s, dst_s = stride_ks, stride_kos
+    x = tl.load(src + s[:, None] * src_s + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    # swap the two lanes of every pair in registers: [S, D] -> [S, D/2, 2] -> flip -> [S, D]
+    even, odd = tl.split(tl.reshape(x, (BLOCK_S, BLOCK_D // 2, 2)))
+    partner = tl.reshape(tl.join(odd, even), (BLOCK_S, BLOCK_D))
+    out = x * cos + sign[None, :] * partner * sin
+    tl.store(dst + s[:, None] * dst_s + cols[None, :], out.to(Q_OUT.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=16)
+def _cached_tables(theta: float, d_head: int, n_positions: int, device: torch.device):
+    inv_freq = theta ** (-torch.arange(0, d_head, 2, dtype=torch.float64, device=device) / d_head)
+    angles = torch.arange(n_positions, dtype=torch.float64, device=device)[:, None] * inv_freq[None, :]
+    return torch.cos(angles).float().contiguous(), torch.sin(angles).float().contiguous()
+
+
+def rope_tables(theta: float, d_head: int, n_positions: int, device=None):
+    """fp32 ``(cos, sin)`` tables ``[n_positions, d_head/2]`` computed in fp64 (cached per arguments)."""
+    return _cached_tables(float(theta), int(d_head), int(n_positions), torch.device(device or "cpu"))
+
+
+def _launch_config(d_head: int) -> dict:
+    block_d = max(2, next_pow2(d_head))
+    block_s = max(1, min(64, TILE_ELEMENTS // block_d))
+    return dict(BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4 if block_s * block_d <= 4096 else 8)
+
+
+def rope_forward(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                 positions: torch.Tensor, inverse: bool = False):
+    """Rotate ``q`` (and ``k``, same shape) at ``positions`` (broadcastable to ``q.shape[:-1]``)."""
+    tensors = [q] if k is None else [q, k]
+    views = [as_4d(t) for t in tensors]
+    outs, out_views = [], []
+    for t in tensors:
+        out = torch.empty_like(t)  # keeps a permuted [batch, heads, seq, d] layout when t has one
+        view = as_4d(out)
+        if view.data_ptr() != out.data_ptr():  # that layout has no 4-D view: fall back to contiguous
+            out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            view = as_4d(out)
+        outs.append(out)
+        out_views.append(view)
+    b, h, s, d = views[0].shape
+    pos = torch.broadcast_to(positions, q.shape[:-1])
+    pos = as_4d(pos.unsqueeze(-1))[..., 0]  # [batch, heads, seq] with 0 strides where broadcast
+    if q.numel():
+        cfg = _launch_config(d)
+        qv, kv = views[0], views[-1]
+        qo, ko = out_views[0], out_views[-1]
+        grid = (triton.cdiv(s, cfg["BLOCK_S"]), b * h, len(tensors))
+        _rope_kernel[grid](
+            qv, kv, qo, ko, cos, sin, pos,
+            qv.stride(0), qv.stride(1), qv.stride(2), kv.stride(0), kv.stride(1), kv.stride(2),
+            qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
+            pos.stride(0), pos.stride(1), pos.stride(2),
+            h, s, d, INVERSE=inverse, **cfg)
+    return outs[0], (outs[1] if k is not None else None)
+
+
+@torch.library.custom_op("tritonlm::rope", mutates_args=())
+def _rope_op(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+             positions: torch.Tensor, inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    q_out, k_out = rope_forward(q, k, cos, sin, positions, inverse)
+    return q_out, (k_out if k_out is not None else q.new_empty(0))
+
+
+@_rope_op.register_fake
+def _(q, k, cos, sin, positions, inverse):
+    return torch.empty_like(q), (torch.empty_like(k) if k is not None else q.new_empty(0))
+
+
+class RoPEFunction(torch.autograd.Function):
+    """Rotates q and k together; backward rotates the gradients back (nothing but positions saved)."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, positions):
+        ctx.save_for_backward(cos, sin, positions)
+        ctx.has_k = k is not None
+        if use_custom_op(q):
+            q_out, k_out = _rope_op(q, k, cos, sin, positions, False)
+            return q_out, (k_out if k is not None else None)
+        return rope_forward(q, k, cos, sin, positions)
+
+    @staticmethod
+    def backward(ctx, dq_out, dk_out):
+        cos, sin, positions = ctx.saved_tensors
+        if ctx.has_k:
+            if dk_out is None:
+                dk_out = torch.zeros_like(dq_out)
+            if dq_out is None:
+                dq_out = torch.zeros_like(dk_out)
+        rotate = (lambda a, b: _rope_op(a, b, cos, sin, positions, True)) if use_custom_op(dq_out) \
+            else (lambda a, b: rope_forward(a, b, cos, sin, positions, inverse=True))
+        dq, dk = rotate(dq_out, dk_out if ctx.has_k else None)
+        return dq, (dk if ctx.has_k else None), None, None, None
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor | None = None, token_positions: torch.Tensor | None = None,
+               theta: float = 10000.0, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+               check_positions: bool = True):
+    """Rotate ``q[..., seq, d]`` and optionally ``k`` (same shape) in one launch.
+
+    ``token_positions`` broadcasts against ``q.shape[:-1]`` (e.g. ``[seq]``, or ``[batch, 1, seq]`` for
+    ``[batch, heads, seq, d]``); default ``0..seq-1``. ``cos``/``sin`` tables ``[max_pos, d/2]`` (fp32) may
+    be given (the module passes its buffers); otherwise they are built for ``theta`` and cached.
+    Returns ``q_rot`` or ``(q_rot, k_rot)``.
+    """
+    d = q.shape[-1]
+    if d % 2:
+        raise ValueError(f"apply_rope: head dim must be even, got {d}")
+    if k is not None and k.shape != q.shape:
+        raise ValueError(f"apply_rope: q {tuple(q.shape)} and k {tuple(k.shape)} must have one shape")
+    if k is not None and k.dtype != q.dtype:
+        raise TypeError(f"apply_rope: q is {q.dtype} but k is {k.dtype}")
+    check_float("apply_rope", q)
+    seq = q.shape[-2] if q.dim() >= 2 else 0
+    if q.dim() < 2:
+        raise ValueError(f"apply_rope: expected [..., seq, d], got {tuple(q.shape)}")
+    if token_positions is None:
+        token_positions = torch.arange(seq, device=q.device)
+        check_positions = False
+    if token_positions.shape[-1] != seq:
+        raise ValueError(f"apply_rope: token_positions {tuple(token_positions.shape)} must end in seq={seq}")
+    if token_positions.is_floating_point():
+        raise TypeError("apply_rope: token_positions must be integers")
+    if cos is None or sin is None:
+        n = max(seq, int(token_positions.max()) + 1 if token_positions.numel() else 1)
+        cos, sin = rope_tables(theta, d, triton.next_power_of_2(n), q.device)
+        check_positions = False
+    if cos.shape[-1] * 2 != d:
+        raise ValueError(f"apply_rope: cos/sin tables are for d={cos.shape[-1] * 2}, q has d={d}")
+    check_device("apply_rope", *([q, cos, sin, token_positions] + ([k] if k is not None else [])))
+    if (check_positions and token_positions.numel() and token_positions.device.type != "meta"
+            and not torch.compiler.is_compiling()):
+        lo, hi = int(token_positions.min()), int(token_positions.max())
+        if lo < 0 or hi >= cos.shape[0]:
+            raise ValueError(f"token position out of range [0, {cos.shape[0]}): saw {lo if lo < 0 else hi}")
+    q_out, k_out = RoPEFunction.apply(q, k, cos, sin, token_positions)
+    return q_out if k is None else (q_out, k_out)

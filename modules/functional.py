@@ -1,0 +1,79 @@
+"""Functional reference ops, written out so that every step is visible (the numerical spec).
+
+All of them accept any number of leading dims.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from einops import einsum
+
+
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Softmax along ``dim``; the max is subtracted first so ``exp`` never overflows."""
+    shifted = x - x.amax(dim=dim, keepdim=True)
+    exp = torch.exp(shifted)
+    return exp / exp.sum(dim=dim, keepdim=True)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU (swish): ``x * sigmoid(x)``."""
+    return x * torch.sigmoid(x)
+
+
+def causal_mask(n_queries: int, n_keys: int, device=None) -> torch.Tensor:
+    """Boolean ``[n_queries, n_keys]`` mask, True = attend, aligned to the bottom-right.
+
+    Query ``i`` sees key ``j`` when ``j <= i + n_keys - n_queries``: with ``n_queries == n_keys`` that is
+    the usual lower triangle; with fewer queries (decoding against a KV cache) the queries are the
+    *last* positions of the sequence.
+    """
+    q = torch.arange(n_queries, device=device)[:, None]
+    k = torch.arange(n_keys, device=device)[None, :]
+    return k <= q + (n_keys - n_queries)
+
+
+def scaled_dot_product_attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor,
+                                 mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``softmax(Q Kᵀ / sqrt(d_k)) V``.
+
+    Args:
+        Q: ``[..., queries, d_k]``; K: ``[..., keys, d_k]``; V: ``[..., keys, d_v]``.
+        mask: optional boolean ``[..., queries, keys]`` (broadcastable), True = attend. A query row with
+            no key to attend to yields zeros.
+    Returns:
+        ``[..., queries, d_v]``.
+    """
+    if Q.shape[-1] != K.shape[-1]:
+        raise ValueError(f"Q and K head dims differ: {Q.shape[-1]} vs {K.shape[-1]}")
+    if K.shape[-2] != V.shape[-2]:
+        raise ValueError(f"K and V key counts differ: {K.shape[-2]} vs {V.shape[-2]}")
+    scores = einsum(Q, K, "... queries d_k, ... keys d_k -> ... queries keys") / math.sqrt(Q.shape[-1])
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            raise TypeError(f"mask must be boolean (True = attend), got {mask.dtype}")
+        # a finite fill keeps fully-masked rows NaN-free (uniform softmax), and they are zeroed below
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = softmax(scores, dim=-1)
+    if mask is not None:
+        probs = probs.masked_fill(~mask, 0.0)
+    return einsum(probs, V, "... queries keys, ... keys d_v -> ... queries d_v")
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``logits[..., vocab]`` against integer ``targets[...]``.
+
+    Uses ``lse(x) - x[target]`` with a max-shifted log-sum-exp, in fp32; the softmax is never formed.
+    """
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree: "
+                         "expected logits[..., vocab] and targets[...]")
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise TypeError(f"targets must be integer class ids, got {targets.dtype}")
+    logits = logits.float()
+    max_logit = logits.amax(dim=-1, keepdim=True)
+    lse = max_logit.squeeze(-1) + torch.log(torch.exp(logits - max_logit).sum(dim=-1))
+    target_logit = logits.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    return (lse - target_logit).mean()

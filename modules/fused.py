@@ -1,0 +1,130 @@
+"""Fused components: the reference modules with their hot paths swapped for Triton kernels.
+
+Each class subclasses its reference twin, keeping the constructor, parameters and ``state_dict`` keys,
+and overrides only the compute: RMSNorm -> ``rms_norm``; RoPE -> ``apply_rope`` (q and k in one launch
+inside attention); SwiGLU's gate -> ``swiglu_gate`` (the three projections stay cuBLAS matmuls);
+attention -> ``FlashAttention``. Linear and Embedding are the reference ones (cuBLAS / indexing).
+
+:func:`fuse` / :func:`unfuse` convert a model in place by switching each component's class, so the
+parameters, buffers and device placement are kept as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import reference as _ref
+from .model import TransformerBlock as _Block
+from .model import TransformerLM as _LM
+from .reference import (  # noqa: F401  (unchanged components, re-exported for a complete namespace)
+    BatchNorm,
+    Embedding,
+    KVCache,
+    LayerNorm,
+    Linear,
+    ReLUFFN,
+    SiLUFFN,
+    SinusoidalPositionalEncoding,
+)
+
+__all__ = [
+    "Linear", "Embedding", "RMSNorm", "LayerNorm", "BatchNorm", "RotaryPositionalEmbedding",
+    "SinusoidalPositionalEncoding", "SwiGLU", "ReLUFFN", "SiLUFFN", "MultiHeadSelfAttention", "KVCache",
+    "TransformerBlock", "TransformerLM", "fuse", "unfuse",
+]
+
+
+def _kernels():
+    # imported on first use so that building a reference model never imports Triton
+    from .. import kernels
+
+    return kernels
+
+
+class RMSNorm(_ref.RMSNorm):
+    """:class:`reference.RMSNorm` running the fused Triton kernel (fp32 math, x's dtype out)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _kernels().rms_norm(x, self.weight, self.eps)
+
+
+class RotaryPositionalEmbedding(_ref.RotaryPositionalEmbedding):
+    """:class:`reference.RotaryPositionalEmbedding` running the Triton RoPE kernel on its cos/sin tables."""
+
+    def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[-2] > self.max_seq_len and token_positions is None:
+            raise ValueError(f"sequence length {x.shape[-2]} exceeds RoPE max_seq_len {self.max_seq_len}")
+        return _kernels().apply_rope(x, None, token_positions, cos=self.cos_cached, sin=self.sin_cached)
+
+    def rotate_pair(self, q: torch.Tensor, k: torch.Tensor, token_positions: torch.Tensor,
+                    check_positions: bool = True):
+        """Rotate q and k (one shape) in a single launch."""
+        return _kernels().apply_rope(q, k, token_positions, cos=self.cos_cached, sin=self.sin_cached,
+                                     check_positions=check_positions)
+
+
+class SwiGLU(_ref.SwiGLU):
+    """:class:`reference.SwiGLU` with the gate ``silu(a) * b`` as one Triton kernel."""
+
+    def gate(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return _kernels().swiglu_gate(a, b)
+
+
+class MultiHeadSelfAttention(_ref.MultiHeadSelfAttention):
+    """:class:`reference.MultiHeadSelfAttention` with RoPE on q and k in one launch and Triton flash
+    attention (bottom-right causal, so KV-cache decoding uses the same kernel)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.rope is not None:
+            self.rope.__class__ = RotaryPositionalEmbedding
+
+    def rotate(self, q, k, positions, trusted: bool = False):
+        return self.rope.rotate_pair(q, k, positions, check_positions=not trusted)
+
+    def attend(self, q, k, v):
+        return _kernels().FlashAttention.apply(q, k, v, True)
+
+
+class TransformerBlock(_Block):
+    """The shared block assembly, defaulting to ``backend="triton"``."""
+
+    def __init__(self, *args, backend: str = "triton", **kwargs):
+        super().__init__(*args, backend=backend, **kwargs)
+
+
+class TransformerLM(_LM):
+    """The shared LM assembly, defaulting to ``backend="triton"``."""
+
+    def __init__(self, *args, backend: str = "triton", **kwargs):
+        super().__init__(*args, backend=backend, **kwargs)
+
+
+_FUSED = {
+    _ref.RMSNorm: RMSNorm,
+    _ref.RotaryPositionalEmbedding: RotaryPositionalEmbedding,
+    _ref.SwiGLU: SwiGLU,
+    _ref.MultiHeadSelfAttention: MultiHeadSelfAttention,
+}
+_UNFUSED = {v: k for k, v in _FUSED.items()}
+
+
+def _convert(model: nn.Module, table: dict, backend: str) -> nn.Module:
+    for module in model.modules():
+        cls = table.get(type(module))
+        if cls is not None:
+            module.__class__ = cls  # same attributes and parameters, different forward
+        if isinstance(module, (_Block, _LM)):
+            module.backend = backend
+    return model
+
+
+def fuse(model: nn.Module) -> nn.Module:
+    """Swap the reference components of ``model`` for fused ones, in place, keeping every parameter."""
+    return _convert(model, _FUSED, "triton")
+
+
+def unfuse(model: nn.Module) -> nn.Module:
+    """Swap fused components back to the reference ones, in place."""
+    return _convert(model, _UNFUSED, "reference")

@@ -1,0 +1,217 @@
+"""The one Transformer assembly, shared by both backends.
+
+:class:`TransformerBlock` and :class:`TransformerLM` are written once; the components they build
+(norms, attention, FFN) come from a backend namespace: ``tritonlm.modules.reference`` or
+``tritonlm.modules.fused``. Fused components subclass the reference ones and only replace ``forward``
+hot paths, so parameters and ``state_dict`` keys are identical across backends.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("tritonlm")
+
+BACKENDS = ("reference", "triton", "auto")
+
+
+def resolve_backend(backend: str, device=None) -> str:
+    """Map ``"auto"`` to a concrete backend (triton on CUDA, reference elsewhere) and say which."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    if device is not None:
+        on_cuda = torch.device(device).type == "cuda"
+    else:
+        on_cuda = torch.cuda.is_available()
+    chosen = "triton" if on_cuda else "reference"
+    logger.info("backend='auto' chose %r (%s)", chosen, "CUDA device" if on_cuda else "no CUDA device")
+    return chosen
+
+
+def components(backend: str):
+    """The module namespace that provides a backend's components."""
+    if backend == "reference":
+        from . import reference
+
+        return reference
+    if backend == "triton":
+        from . import fused
+
+        return fused
+    raise ValueError(f"no components for backend {backend!r}")
+
+
+def _make_norm(kind: str, comps, d_model: int, device, dtype) -> nn.Module:
+    if kind == "rmsnorm":
+        return comps.RMSNorm(d_model, device=device, dtype=dtype)
+    if kind == "layernorm":
+        return comps.LayerNorm(d_model, device=device, dtype=dtype)
+    if kind == "batchnorm":
+        return comps.BatchNorm(d_model, device=device, dtype=dtype)
+    if kind == "none":
+        return nn.Identity()
+    raise ValueError(f"unknown norm {kind!r}")
+
+
+def _make_ffn(kind: str, comps, d_model: int, d_ff: int, device, dtype) -> nn.Module:
+    if kind == "swiglu":
+        return comps.SwiGLU(d_model, d_ff, device=device, dtype=dtype)
+    if kind == "relu":
+        return comps.ReLUFFN(d_model, d_ff, device=device, dtype=dtype)
+    if kind == "silu":
+        return comps.SiLUFFN(d_model, d_ff, device=device, dtype=dtype)
+    raise ValueError(f"unknown ffn {kind!r}")
+
+
+class TransformerBlock(nn.Module):
+    """One decoder block. Pre-norm (default): ``h = x + attn(ln1(x))``, ``out = h + ffn(ln2(h))``.
+    Post-norm: ``h = ln1(x + attn(x))``, ``out = ln2(h + ffn(h))``. ``norm="none"`` drops both norms.
+
+    ``theta=None`` builds attention without RoPE (for sinusoidal or no position encoding).
+    """
+
+    def __init__(self, d_model: int, num_heads: int, d_ff: int, max_seq_len: int, theta: float | None,
+                 device=None, dtype=None, *, norm: str = "rmsnorm", ffn: str = "swiglu",
+                 norm_position: str = "pre", backend: str = "reference"):
+        super().__init__()
+        if norm_position not in ("pre", "post"):
+            raise ValueError(f"norm_position must be 'pre' or 'post', got {norm_position!r}")
+        self.backend = resolve_backend(backend, device)
+        comps = components(self.backend)
+        self.norm_position = norm_position
+        self.ln1 = _make_norm(norm, comps, d_model, device, dtype)
+        self.attn = comps.MultiHeadSelfAttention(d_model, num_heads, max_seq_len, theta,
+                                                 device=device, dtype=dtype)
+        self.ln2 = _make_norm(norm, comps, d_model, device, dtype)
+        self.ffn = _make_ffn(ffn, comps, d_model, d_ff, device, dtype)
+
+    def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None,
+                kv_cache=None) -> torch.Tensor:
+        """``x[..., seq, d_model] -> [..., seq, d_model]``."""
+        if self.norm_position == "pre":
+            h = x + self.attn(self.ln1(x), token_positions, kv_cache)
+            return h + self.ffn(self.ln2(h))
+        h = self.ln1(x + self.attn(x, token_positions, kv_cache))
+        return self.ln2(h + self.ffn(h))
+
+
+class TransformerLM(nn.Module):
+    """Decoder-only LM: embeddings -> ``num_layers`` blocks -> final norm -> LM head.
+
+    ``token_ids[batch, seq] -> logits[batch, seq, vocab_size]`` with ``seq <= context_length``.
+    ``backend``: ``"reference"`` (einsum modules), ``"triton"`` (fused kernels) or ``"auto"``.
+    Ablations: ``norm`` in rmsnorm/layernorm/batchnorm/none, ``ffn`` in swiglu/relu/silu, ``position``
+    in rope/sinusoidal/none, ``norm_position`` pre/post.
+    """
+
+    def __init__(self, vocab_size: int, context_length: int, d_model: int, num_layers: int,
+                 num_heads: int, d_ff: int, rope_theta: float = 10000.0, device=None, dtype=None, *,
+                 norm: str = "rmsnorm", ffn: str = "swiglu", position: str = "rope",
+                 norm_position: str = "pre", backend: str = "reference"):
+        super().__init__()
+        from ..config import ModelConfig
+
+        # validates every size and option in one place
+        self.config = ModelConfig(vocab_size, context_length, d_model, num_layers, num_heads, d_ff,
+                                  float(rope_theta), norm, ffn, position, norm_position)
+        self.backend = resolve_backend(backend, device)
+        comps = components(self.backend)
+        self.vocab_size, self.context_length = vocab_size, context_length
+        self.token_embeddings = comps.Embedding(vocab_size, d_model, device=device, dtype=dtype)
+        if position == "sinusoidal":
+            self.position_encoding = comps.SinusoidalPositionalEncoding(d_model, context_length,
+                                                                        device=device)
+        else:
+            self.position_encoding = None
+        theta = rope_theta if position == "rope" else None
+        self.layers = nn.ModuleList(
+            TransformerBlock(d_model, num_heads, d_ff, context_length, theta, device=device, dtype=dtype,
+                             norm=norm, ffn=ffn, norm_position=norm_position, backend=self.backend)
+            for _ in range(num_layers))
+        self.ln_final = (_make_norm(norm, comps, d_model, device, dtype) if norm_position == "pre"
+                         else nn.Identity())
+        self.lm_head = comps.Linear(d_model, vocab_size, device=device, dtype=dtype)
+
+    @classmethod
+    def from_config(cls, cfg, device=None, dtype=None, backend: str = "reference") -> TransformerLM:
+        return cls(**cfg.model_kwargs(), device=device, dtype=dtype, backend=backend)
+
+    def forward(self, token_ids: torch.Tensor, token_positions: torch.Tensor | None = None,
+                kv_caches=None) -> torch.Tensor:
+        """``token_ids[batch, seq]`` -> ``logits[batch, seq, vocab_size]``.
+
+        ``kv_caches`` (one :class:`~tritonlm.modules.reference.KVCache` per layer) makes the call
+        incremental: ``token_ids`` are then the positions after those already cached.
+        """
+        if token_ids.dim() < 1:
+            raise ValueError("token_ids must have a sequence dim: [batch, seq] or [seq]")
+        seq = token_ids.shape[-1]
+        past = kv_caches[0].length if kv_caches else 0
+        if past + seq > self.context_length:
+            raise ValueError(f"sequence length {past + seq} exceeds context_length {self.context_length}")
+        x = self.token_embeddings(token_ids)
+        if self.position_encoding is not None:
+            if token_positions is None:
+                token_positions = torch.arange(past, past + seq, device=token_ids.device)
+            x = self.position_encoding(x, token_positions)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, token_positions, kv_caches[i] if kv_caches else None)
+        return self.lm_head(self.ln_final(x))
+
+    def new_kv_caches(self):
+        from .reference import KVCache
+
+        return [KVCache(self.context_length) for _ in self.layers]
+
+    @torch.no_grad()
+    def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, eos_id: int | None = None, generator: torch.Generator | None = None,
+                 use_cache: bool = True) -> torch.Tensor:
+        """Sample up to ``max_new_tokens`` after ``prompt_ids`` (``[seq]`` or ``[batch, seq]``).
+
+        ``temperature=0`` is greedy; ``top_k`` keeps the k most likely tokens; ``top_p`` the smallest set
+        whose probability reaches p. Stops early when every row has produced ``eos_id``. Returns the
+        prompt followed by the new tokens, same rank as the prompt. With ``use_cache`` each new token costs
+        one incremental forward against a KV cache; when the context fills up, the cache is rebuilt from
+        the most recent three quarters of the context.
+        """
+        from ..generate import sample_next
+
+        ids = torch.as_tensor(prompt_ids, device=self.lm_head.weight.device)
+        squeeze = ids.dim() == 1
+        if squeeze:
+            ids = ids.unsqueeze(0)
+        if ids.dim() != 2 or ids.shape[-1] == 0:
+            raise ValueError(f"prompt_ids must be a non-empty [seq] or [batch, seq], got {tuple(ids.shape)}")
+        if max_new_tokens < 0:
+            raise ValueError("max_new_tokens must be >= 0")
+        was_training = self.training
+        self.eval()
+        try:
+            done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+            caches, pending = None, None
+            for _ in range(max_new_tokens):
+                if not use_cache:
+                    logits = self(ids[:, -self.context_length:])[:, -1]
+                else:
+                    if caches is None or caches[0].length + pending.shape[-1] > self.context_length:
+                        # (re)fill the cache from the most recent tokens
+                        keep = self.context_length if caches is None else max(1, 3 * self.context_length // 4)
+                        caches, pending = self.new_kv_caches(), ids[:, -keep:]
+                    logits = self(pending, kv_caches=caches)[:, -1]
+                nxt = sample_next(logits, temperature, top_k, top_p, generator)
+                if eos_id is not None:
+                    nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
+                    done |= nxt == eos_id
+                ids = torch.cat([ids, nxt[:, None]], dim=1)
+                pending = nxt[:, None]
+                if eos_id is not None and bool(done.all()):
+                    break
+        finally:
+            self.train(was_training)
+        return ids[0] if squeeze else ids

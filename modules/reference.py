@@ -1,0 +1,359 @@
+"""Reference components: plain PyTorch with named-axis einsum, the numerical spec of the library.
+
+Constructors, parameter names and ``state_dict`` keys follow CS336's reference implementation, so a
+checkpoint trained with course code loads unchanged. Besides the default model's parts (RMSNorm, RoPE,
+SwiGLU, causal multi-head attention) this file carries the seeds' alternatives for ablations:
+LayerNorm, BatchNorm, sinusoidal absolute positions, the ReLU FFN and a non-gated SiLU FFN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from einops import einsum, rearrange
+from torch import nn
+
+from ..config import default_d_ff
+from . import functional as F
+from .model import TransformerBlock, TransformerLM  # noqa: F401  (the one shared assembly)
+
+__all__ = [
+    "Linear", "Embedding", "RMSNorm", "LayerNorm", "BatchNorm", "RotaryPositionalEmbedding",
+    "SinusoidalPositionalEncoding", "SwiGLU", "ReLUFFN", "SiLUFFN", "MultiHeadSelfAttention",
+    "KVCache", "TransformerBlock", "TransformerLM",
+]
+
+
+def _check_last_dim(x: torch.Tensor, expected: int, who: str) -> None:
+    if x.dim() == 0 or x.shape[-1] != expected:
+        raise ValueError(f"{who} expects input [..., {expected}], got {tuple(x.shape)}")
+
+
+def _check_float(x: torch.Tensor, who: str) -> None:
+    if not x.is_floating_point():
+        raise TypeError(f"{who} expects a floating-point tensor, got {x.dtype}")
+
+
+def _inspectable(t: torch.Tensor) -> bool:
+    """Whether values of ``t`` may be read on the host for validation (not while tracing, not on meta)."""
+    return t.numel() > 0 and t.device.type != "meta" and not torch.compiler.is_compiling()
+
+
+def _trunc_normal_(t: torch.Tensor, std: float) -> torch.Tensor:
+    return nn.init.trunc_normal_(t, mean=0.0, std=std, a=-3.0 * std, b=3.0 * std)
+
+
+class Linear(nn.Module):
+    """``y = x Wᵀ`` without bias; ``weight`` is ``[out_features, in_features]``.
+
+    Init: truncated normal, std = sqrt(2 / (in + out)), cut at ±3 std.
+    """
+
+    def __init__(self, in_features: int, out_features: int, device=None, dtype=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        _trunc_normal_(self.weight, math.sqrt(2.0 / (in_features + out_features)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x[..., in_features] -> [..., out_features]``."""
+        _check_last_dim(x, self.in_features, "Linear")
+        return einsum(x, self.weight, "... d_in, d_out d_in -> ... d_out")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Embedding(nn.Module):
+    """Lookup table ``weight[num_embeddings, embedding_dim]``; init truncated normal std 1, cut at ±3."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, device=None, dtype=None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype))
+        _trunc_normal_(self.weight, 1.0)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """``token_ids[...] -> [..., embedding_dim]``."""
+        if token_ids.is_floating_point() or token_ids.dtype == torch.bool:
+            raise TypeError(f"Embedding expects integer token ids, got {token_ids.dtype}")
+        if _inspectable(token_ids):
+            lo, hi = int(token_ids.min()), int(token_ids.max())
+            if lo < 0 or hi >= self.num_embeddings:
+                raise ValueError(f"token id out of range [0, {self.num_embeddings}): saw {lo if lo < 0 else hi}")
+        return self.weight[token_ids]
+
+    def extra_repr(self) -> str:
+        return f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}"
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x²) + eps) * weight`` over the last dim, computed in fp32, returned in x's dtype."""
+
+    def __init__(self, d_model: int, eps: float = 1e-5, device=None, dtype=None):
+        super().__init__()
+        self.d_model, self.eps = d_model, eps
+        self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x[..., d_model] -> [..., d_model]``."""
+        _check_last_dim(x, self.d_model, "RMSNorm")
+        _check_float(x, "RMSNorm")
+        in_dtype = x.dtype
+        x = x.float()
+        rms = torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (x / rms * self.weight.float()).to(in_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.d_model}, eps={self.eps}"
+
+
+class LayerNorm(nn.Module):
+    """Per-row ``(x - mean) / sqrt(var + eps) * weight + bias`` (biased variance), over the last dim."""
+
+    def __init__(self, d_model: int, eps: float = 1e-5, device=None, dtype=None):
+        super().__init__()
+        self.d_model, self.eps = d_model, eps
+        self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(d_model, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_last_dim(x, self.d_model, "LayerNorm")
+        _check_float(x, "LayerNorm")
+        in_dtype = x.dtype
+        x = x.float()
+        mean = x.mean(dim=-1, keepdim=True)
+        var = (x - mean).pow(2).mean(dim=-1, keepdim=True)
+        y = (x - mean) / torch.sqrt(var + self.eps)
+        return (y * self.weight.float() + self.bias.float()).to(in_dtype)
+
+
+class BatchNorm(nn.Module):
+    """Normalises each feature (last dim) over every other position (batch and sequence).
+
+    Training: batch statistics (biased variance to normalise; running estimates updated with the
+    unbiased variance, ``momentum`` as in ``torch.nn.BatchNorm1d``). Eval: running statistics.
+    """
+
+    def __init__(self, d_model: int, eps: float = 1e-5, momentum: float = 0.1, device=None, dtype=None):
+        super().__init__()
+        self.d_model, self.eps, self.momentum = d_model, eps, momentum
+        self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(d_model, device=device, dtype=dtype))
+        self.register_buffer("running_mean", torch.zeros(d_model, device=device, dtype=torch.float32))
+        self.register_buffer("running_var", torch.ones(d_model, device=device, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_last_dim(x, self.d_model, "BatchNorm")
+        _check_float(x, "BatchNorm")
+        in_dtype = x.dtype
+        rows = x.float().reshape(-1, self.d_model)
+        if self.training:
+            n = rows.shape[0]
+            if n < 2:
+                raise ValueError("BatchNorm in training needs more than one position to take statistics over")
+            mean = rows.mean(dim=0)
+            var = (rows - mean).pow(2).mean(dim=0)
+            with torch.no_grad():
+                self.running_mean.lerp_(mean.detach(), self.momentum)
+                self.running_var.lerp_(var.detach() * n / (n - 1), self.momentum)
+        else:
+            mean, var = self.running_mean, self.running_var
+        y = (rows - mean) / torch.sqrt(var + self.eps) * self.weight.float() + self.bias.float()
+        return y.reshape(x.shape).to(in_dtype)
+
+
+class RotaryPositionalEmbedding(nn.Module):
+    """RoPE on interleaved pairs ``(x0, x1), (x2, x3), …``: pair ``i`` at position ``m`` is rotated by
+    ``m * theta**(-2i / d_k)``.
+
+    The cos/sin tables (``[max_seq_len, d_k / 2]``, fp32) are non-persistent buffers: no state_dict keys.
+    """
+
+    def __init__(self, theta: float, d_k: int, max_seq_len: int, device=None):
+        super().__init__()
+        if d_k % 2:
+            raise ValueError(f"RoPE rotates pairs of features, so d_k must be even; got {d_k}")
+        if max_seq_len is None or max_seq_len <= 0:
+            raise ValueError(f"RoPE needs a positive max_seq_len, got {max_seq_len}")
+        self.theta, self.d_k, self.max_seq_len = float(theta), d_k, max_seq_len
+        inv_freq = self.theta ** (-torch.arange(0, d_k, 2, device=device, dtype=torch.float64) / d_k)
+        angles = einsum(torch.arange(max_seq_len, device=device, dtype=torch.float64), inv_freq,
+                        "pos, pair -> pos pair")
+        self.register_buffer("cos_cached", torch.cos(angles).float(), persistent=False)
+        self.register_buffer("sin_cached", torch.sin(angles).float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``x[..., seq, d_k]``, ``token_positions[..., seq]`` (broadcast against x's leading dims) or
+        None for ``0..seq-1`` -> same shape and dtype as x."""
+        _check_last_dim(x, self.d_k, "RotaryPositionalEmbedding")
+        _check_float(x, "RotaryPositionalEmbedding")
+        seq = x.shape[-2]
+        if token_positions is None:
+            if seq > self.max_seq_len:
+                raise ValueError(f"sequence length {seq} exceeds RoPE max_seq_len {self.max_seq_len}")
+            token_positions = torch.arange(seq, device=x.device)
+        elif token_positions.shape[-1] != seq:
+            raise ValueError(f"token_positions {tuple(token_positions.shape)} must end in seq={seq}")
+        elif _inspectable(token_positions):
+            lo, hi = int(token_positions.min()), int(token_positions.max())
+            if lo < 0 or hi >= self.max_seq_len:
+                raise ValueError(f"token position out of range [0, {self.max_seq_len}): saw {lo if lo < 0 else hi}")
+        cos = self.cos_cached[token_positions]  # [..., seq, pair]
+        sin = self.sin_cached[token_positions]
+        pairs = rearrange(x.float(), "... seq (pair two) -> ... seq pair two", two=2)
+        x_even, x_odd = pairs[..., 0], pairs[..., 1]
+        rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
+        return rearrange(rotated, "... seq pair two -> ... seq (pair two)").to(x.dtype)
+
+
+class SinusoidalPositionalEncoding(nn.Module):
+    """The original Transformer's absolute positions: ``p[i, 2j] = sin(i / 10000^(2j/d))``,
+    ``p[i, 2j+1] = cos(…)``, added to the token embeddings. Non-persistent buffer, no parameters."""
+
+    def __init__(self, d_model: int, max_seq_len: int, base: float = 10000.0, device=None):
+        super().__init__()
+        if d_model % 2:
+            raise ValueError(f"sinusoidal encoding needs an even d_model, got {d_model}")
+        self.d_model, self.max_seq_len = d_model, max_seq_len
+        inv_freq = base ** (-torch.arange(0, d_model, 2, device=device, dtype=torch.float64) / d_model)
+        angles = einsum(torch.arange(max_seq_len, device=device, dtype=torch.float64), inv_freq,
+                        "pos, pair -> pos pair")
+        table = rearrange(torch.stack((torch.sin(angles), torch.cos(angles)), dim=-1),
+                          "pos pair two -> pos (pair two)")
+        self.register_buffer("table", table.float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``x[..., seq, d_model]`` -> x + encoding of its positions."""
+        seq = x.shape[-2]
+        if token_positions is None:
+            token_positions = torch.arange(seq, device=x.device)
+        return x + self.table[token_positions].to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """``w2(silu(w1 x) * w3 x)``; ``d_ff=None`` -> 8/3·d_model rounded to the nearest multiple of 64."""
+
+    def __init__(self, d_model: int, d_ff: int | None = None, device=None, dtype=None):
+        super().__init__()
+        self.d_model = d_model
+        self.d_ff = default_d_ff(d_model) if d_ff is None else d_ff
+        self.w1 = Linear(d_model, self.d_ff, device=device, dtype=dtype)
+        self.w2 = Linear(self.d_ff, d_model, device=device, dtype=dtype)
+        self.w3 = Linear(d_model, self.d_ff, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x[..., d_model] -> [..., d_model]``."""
+        return self.w2(self.gate(self.w1(x), self.w3(x)))
+
+    def gate(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """The elementwise part, ``silu(a) * b`` (the fused module runs it as one Triton kernel)."""
+        return F.silu(a) * b
+
+
+class ReLUFFN(nn.Module):
+    """The original Transformer FFN, ``w2(relu(w1 x))`` (no biases)."""
+
+    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None):
+        super().__init__()
+        self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
+        self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(torch.relu(self.w1(x)))
+
+
+class SiLUFFN(ReLUFFN):
+    """A non-gated SiLU FFN, ``w2(silu(w1 x))``: the ablation that isolates SwiGLU's gate."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)))
+
+
+class KVCache:
+    """Keys and values of past positions for incremental decoding, one per attention layer.
+
+    Preallocates ``[batch.., heads, max_len, d_k]`` on first use; :meth:`update` appends and returns
+    views of everything cached so far (a strided slice, no copy).
+    """
+
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+        self.length = 0
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n_new = k.shape[-2]
+        if self.length + n_new > self.max_len:
+            raise ValueError(f"KV cache holds at most {self.max_len} positions; "
+                             f"{self.length} cached + {n_new} new exceeds it")
+        if self.k is None:
+            shape = (*k.shape[:-2], self.max_len, k.shape[-1])
+            self.k = k.new_empty(shape)
+            self.v = v.new_empty(shape)
+        self.k[..., self.length:self.length + n_new, :] = k
+        self.v[..., self.length:self.length + n_new, :] = v
+        self.length += n_new
+        return self.k[..., :self.length, :], self.v[..., :self.length, :]
+
+
+class MultiHeadSelfAttention(nn.Module):
+    """Causal multi-head self-attention with optional RoPE on queries and keys.
+
+    ``q_proj``/``k_proj``/``v_proj``/``output_proj`` are ``[d_model, d_model]`` with rows grouped by head
+    (head ``h`` owns rows ``h*d_k:(h+1)*d_k``). RoPE is applied when ``theta`` is given.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, max_seq_len: int | None = None,
+                 theta: float | None = None, device=None, dtype=None):
+        super().__init__()
+        if d_model % num_heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
+        self.d_model, self.num_heads, self.d_k = d_model, num_heads, d_model // num_heads
+        self.max_seq_len = max_seq_len
+        self.q_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+        self.k_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+        self.v_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+        self.output_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+        if theta is not None:
+            if max_seq_len is None:
+                raise ValueError("RoPE (theta given) needs max_seq_len")
+            self.rope = RotaryPositionalEmbedding(theta, self.d_k, max_seq_len, device=device)
+        else:
+            self.rope = None
+
+    def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None) -> torch.Tensor:
+        """``x[..., seq, d_model]``, ``token_positions[..., seq]`` (default: ``0..seq-1``, after the cached
+        positions when ``kv_cache`` holds some) -> ``[..., seq, d_model]``."""
+        _check_last_dim(x, self.d_model, "MultiHeadSelfAttention")
+        seq = x.shape[-2]
+        past = kv_cache.length if kv_cache is not None else 0
+        if self.max_seq_len is not None and past + seq > self.max_seq_len:
+            raise ValueError(f"sequence length {past + seq} exceeds max_seq_len {self.max_seq_len}")
+        q, k, v = (rearrange(proj(x), "... seq (heads d_k) -> ... heads seq d_k", heads=self.num_heads)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if self.rope is not None:
+            generated = token_positions is None
+            if generated:
+                token_positions = torch.arange(past, past + seq, device=x.device)
+            elif token_positions.shape[-1] != seq:
+                raise ValueError(f"token_positions {tuple(token_positions.shape)} must end in seq={seq}")
+            # positions [..., seq] gain a heads axis so they broadcast over [..., heads, seq, d_k]
+            q, k = self.rotate(q, k, token_positions.unsqueeze(-2), trusted=generated)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)
+        out = self.attend(q, k, v)
+        return self.output_proj(rearrange(out, "... heads seq d_k -> ... seq (heads d_k)"))
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, trusted: bool = False):
+        """RoPE on ``q`` and ``k`` (``[..., heads, seq, d_k]``) at ``positions[..., 1, seq]``; ``trusted``
+        positions were generated here and need no range check."""
+        return self.rope(q, positions), self.rope(k, positions)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention (bottom-right aligned when there are more keys than queries)."""
+        mask = F.causal_mask(q.shape[-2], k.shape[-2], device=q.device)
+        return F.scaled_dot_product_attention(q, k, v, mask)

@@ -1,0 +1,126 @@
+"""Both FlashAttention Functions against an fp64 einsum reference: O, L and all three gradients."""
+
+import math
+
+import pytest
+import torch
+from einops import einsum
+from tritonlm.kernels import FlashAttention, FlashAttentionTorch, flash_attention
+
+FUNCTIONS = [FlashAttentionTorch, FlashAttention]
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+def _fp64_attention(q, k, v, is_causal, scale=None):
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    scale = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
+    s = einsum(q, k, "... i d, ... j d -> ... i j") * scale
+    if is_causal:
+        n_q, n_k = q.shape[-2], k.shape[-2]
+        visible = torch.arange(n_k)[None, :] <= torch.arange(n_q)[:, None] + (n_k - n_q)
+        s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)  # rows with no visible key: zeros
+    return (q, k, v), einsum(p, v, "... i j, ... j d -> ... i d"), lse
+
+
+def _saved_lse(out, q_shape):
+    saved = [t for t in out.grad_fn.saved_tensors if t.shape == q_shape[:-1]]
+    assert len(saved) == 1 and saved[0].dtype == torch.float32
+    return saved[0]
+
+
+def _check(fn, q_shape, n_k, is_causal, dtype, scale=None):
+    q = torch.randn(q_shape, dtype=dtype, requires_grad=True)
+    k = torch.randn(*q_shape[:-2], n_k, q_shape[-1], dtype=dtype, requires_grad=True)
+    v = torch.randn(*q_shape[:-2], n_k, q_shape[-1], dtype=dtype, requires_grad=True)
+    out = fn.apply(q, k, v, is_causal, scale) if scale is not None else fn.apply(q, k, v, is_causal)
+    lse = _saved_lse(out, q.shape)
+    do = torch.randn_like(out)
+    out.backward(do)
+    (q64, k64, v64), out64, lse64 = _fp64_attention(q, k, v, is_causal, scale)
+    out64.backward(do.double())
+    tol = TOL[dtype]
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), out64, atol=tol, rtol=tol)
+    finite = torch.isfinite(lse64)
+    torch.testing.assert_close(lse.double()[finite], lse64[finite], atol=1e-4, rtol=1e-4)
+    assert (lse[~finite] == float("-inf")).all()
+    for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        torch.testing.assert_close(got.double(), want, atol=tol * 2, rtol=tol * 2)
+
+
+@pytest.mark.parametrize("fn", FUNCTIONS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("seq,d", [(1, 16), (17, 64), (130, 16), (128, 80)])
+def test_fp32_square(fn, is_causal, seq, d):
+    _check(fn, (2, seq, d), seq, is_causal, torch.float32)
+
+
+@pytest.mark.parametrize("fn", FUNCTIONS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_batch_heads(fn, dtype):
+    _check(fn, (2, 3, 45, 64), 45, True, dtype)
+
+
+@pytest.mark.parametrize("fn", FUNCTIONS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("n_q,n_k", [(1, 37), (5, 70), (40, 20), (33, 47)])
+def test_uneven_query_key_lengths(fn, n_q, n_k):
+    # n_q > n_k with causality leaves early queries with no visible key: zeros, never NaN
+    _check(fn, (1, 2, n_q, 32), n_k, True, torch.float32)
+    _check(fn, (1, 2, n_q, 32), n_k, False, torch.float32)
+
+
+def test_triton_head_dim_128_and_custom_scale():
+    _check(FlashAttention, (1, 2, 33, 128), 33, True, torch.float32, scale=0.3)
+
+
+def test_triton_head_split_view_input():
+    heads, d = 2, 16
+    # [batch, seq, heads*d] projections viewed as [batch, heads, seq, d], as attention does
+    q, k, v = (torch.randn(2, 19, heads * d).unflatten(-1, (heads, d)).transpose(1, 2).requires_grad_()
+               for _ in range(3))
+    assert not q.is_contiguous()
+    out = flash_attention(q, k, v, is_causal=True)
+    out.sum().backward()
+    (q64, k64, v64), out64, _ = _fp64_attention(q, k, v, True)
+    out64.sum().backward()
+    torch.testing.assert_close(out.double(), out64, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(q.grad.double(), q64.grad, atol=1e-4, rtol=1e-4)
+    assert out.stride() == q.stride()  # the head-merge afterwards is a view
+
+
+def test_saved_bytes_grow_linearly_with_seq():
+    def saved_bytes(seq):
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        q, k, v = (torch.randn(1, 2, seq, 16, requires_grad=True) for _ in range(3))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            FlashAttention.apply(q, k, v, True)
+        return total
+
+    b64, b128, b256 = saved_bytes(64), saved_bytes(128), saved_bytes(256)
+    assert b128 == 2 * b64 and b256 == 2 * b128
+
+
+@pytest.mark.parametrize("fn", FUNCTIONS, ids=lambda f: f.__name__)
+def test_bad_inputs(fn):
+    q = torch.randn(2, 5, 16)
+    with pytest.raises(ValueError, match="head dims"):
+        fn.apply(q, torch.randn(2, 5, 8), torch.randn(2, 5, 8))
+    with pytest.raises(TypeError, match="dtypes"):
+        fn.apply(q, q.half(), q.half())
+    with pytest.raises(TypeError, match="floating"):
+        fn.apply(q.long(), q.long(), q.long())
+    with pytest.raises(ValueError, match="leading"):
+        fn.apply(q, torch.randn(3, 5, 16), torch.randn(3, 5, 16))
+    with pytest.raises(ValueError, match="keys"):
+        fn.apply(q, torch.randn(2, 5, 16), torch.randn(2, 6, 16))
+    if fn is FlashAttention:
+        with pytest.raises(ValueError, match="256"):
+            fn.apply(torch.randn(1, 2, 512), torch.randn(1, 2, 512), torch.randn(1, 2, 512))

@@ -1,0 +1,95 @@
+"""Fused RMSNorm (Triton, interpreter) against the reference module and an fp64 recomputation."""
+
+import pytest
+import torch
+import torch.nn.functional as TF
+from conftest import tolerance
+from tritonlm.kernels import rms_norm
+from tritonlm.modules import fused, reference
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _fp64_reference(x, w, dy, eps=1e-5):
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    y = TF.rms_norm(x64, (x.shape[-1],), w64, eps)
+    y.backward(dy.double())
+    return y, x64.grad, w64.grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (2, 3, 4, 1000), (5, 4097), (1, 9000)])
+def test_forward_backward_vs_fp64(shape, dtype):
+    x = torch.randn(shape, dtype=dtype, requires_grad=True)
+    w = (1 + 0.3 * torch.randn(shape[-1])).to(dtype).requires_grad_()
+    y = rms_norm(x, w)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    y64, dx64, dw64 = _fp64_reference(x, w, dy)
+    tol = tolerance(dtype)
+    assert y.dtype == dtype and x.grad.dtype == dtype and w.grad.dtype == dtype
+    torch.testing.assert_close(y.double(), y64, **{k: v * 4 for k, v in tol.items()})
+    torch.testing.assert_close(x.grad.double(), dx64, **{k: v * 4 for k, v in tol.items()})
+    # dweight sums over every row: its error grows with the row count
+    scale = max(1.0, dw64.abs().max().item())
+    torch.testing.assert_close(w.grad.double() / scale, dw64 / scale, **{k: v * 4 for k, v in tol.items()})
+
+
+def test_widest_rows_65536():
+    x = torch.randn(2, 65536, requires_grad=True)
+    w = torch.randn(65536, requires_grad=True)
+    y = rms_norm(x, w, 1e-6)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    y64, dx64, dw64 = _fp64_reference(x, w, dy, 1e-6)
+    torch.testing.assert_close(y.double(), y64, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(x.grad.double(), dx64, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w.grad.double(), dw64, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_module_matches_reference_module(dtype):
+    ref = reference.RMSNorm(48, eps=1e-6, dtype=dtype)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(48))
+    fz = fused.RMSNorm(48, eps=1e-6, dtype=dtype)
+    fz.load_state_dict(ref.state_dict())
+    x = torch.randn(3, 5, 48, dtype=dtype)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y1, y2 = ref(x1), fz(x2)
+    dy = torch.randn_like(y1)
+    y1.backward(dy)
+    y2.backward(dy)
+    tol = tolerance(dtype)
+    torch.testing.assert_close(y2, y1, **tol)
+    torch.testing.assert_close(x2.grad, x1.grad, **tol)
+    torch.testing.assert_close(fz.weight.grad.float(), ref.weight.grad.float(), atol=tol["atol"] * 10,
+                               rtol=tol["rtol"] * 10)
+
+
+def test_non_contiguous_inputs():
+    base = torch.randn(6, 40, 3)
+    x = base[..., 1].T.contiguous().T  # [6, 40] with strides (1, 6): last dim not contiguous
+    x = x.requires_grad_()
+    strided = torch.randn(8, 80)[:, :40].requires_grad_()  # row stride 80: viewed in place
+    w = torch.randn(40, requires_grad=True)
+    for inp in (x, strided):
+        y = rms_norm(inp, w)
+        dy = torch.randn_like(y)
+        grads = torch.autograd.grad(y, (inp, w), dy)
+        y64, dx64, dw64 = _fp64_reference(inp, w, dy)
+        torch.testing.assert_close(y.double(), y64, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(grads[0].double(), dx64, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(grads[1].double(), dw64, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_inputs():
+    w = torch.ones(8)
+    with pytest.raises(ValueError, match=r"\[\.\.\., 8\]"):
+        rms_norm(torch.randn(2, 7), w)
+    with pytest.raises(TypeError, match="bfloat16"):
+        rms_norm(torch.randn(2, 8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.float16))
+    with pytest.raises(TypeError):
+        rms_norm(torch.ones(2, 8, dtype=torch.int32), torch.ones(8, dtype=torch.int32))
+    with pytest.raises(ValueError):
+        rms_norm(torch.randn(2, 8), torch.ones(2, 8))

@@ -1,0 +1,123 @@
+"""Parameter, FLOP and memory accounting for :class:`~tritonlm.config.ModelConfig` models.
+
+FLOPs count matrix multiplies only, 2·m·n·k each (the seeds' convention): elementwise work (norms,
+softmax, activations) is a rounding error next to them. The attention matmuls (QKᵀ and PV) are counted
+over the full seq×seq square, as the seeds do, even though a causal kernel skips half of it; MFU figures
+therefore follow the same formula the literature uses.
+"""
+
+from __future__ import annotations
+
+from .config import ModelConfig
+
+#: Dense bf16 tensor-core peaks (FLOP/s) used for MFU; keyed by a substring of the device name.
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 70e12,
+    "4090": 165e12,
+}
+
+_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+
+
+def _norm_params(cfg: ModelConfig) -> int:
+    """Parameters of one normalisation layer."""
+    return {"rmsnorm": cfg.d_model, "layernorm": 2 * cfg.d_model, "batchnorm": 2 * cfg.d_model,
+            "none": 0}[cfg.norm]
+
+
+def _ffn_matrices(cfg: ModelConfig) -> int:
+    return 3 if cfg.ffn == "swiglu" else 2
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Trainable parameters: embeddings + layers (attention, FFN, two norms) + final norm + LM head."""
+    d = cfg.d_model
+    per_layer = 4 * d * d + _ffn_matrices(cfg) * d * cfg.d_ff + 2 * _norm_params(cfg)
+    final_norm = _norm_params(cfg) if cfg.norm_position == "pre" else 0
+    return cfg.vocab_size * d + cfg.num_layers * per_layer + final_norm + d * cfg.vocab_size
+
+
+def forward_flops(cfg: ModelConfig, seq_len: int, batch_size: int = 1) -> dict:
+    """Matmul FLOPs of one forward pass over ``batch_size`` sequences of ``seq_len`` tokens.
+
+    Returns a dict with ``attention_projections`` (Q, K, V, output), ``attention_matmuls`` (QKᵀ and
+    PV), ``ffn``, ``lm_head`` and ``total``.
+    """
+    if seq_len <= 0 or batch_size <= 0:
+        raise ValueError("seq_len and batch_size must be positive")
+    tokens = batch_size * seq_len
+    d, layers = cfg.d_model, cfg.num_layers
+    out = {
+        "attention_projections": layers * 4 * 2 * tokens * d * d,
+        # QKᵀ: [seq, d_head] x [d_head, seq] per head, then P·V: [seq, seq] x [seq, d_head] per head
+        "attention_matmuls": layers * 2 * 2 * batch_size * seq_len * seq_len * d,
+        "ffn": layers * _ffn_matrices(cfg) * 2 * tokens * d * cfg.d_ff,
+        "lm_head": 2 * tokens * d * cfg.vocab_size,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def training_flops(cfg: ModelConfig, seq_len: int, batch_size: int = 1, steps: int = 1) -> int:
+    """FLOPs of ``steps`` training steps: forward + backward ≈ 3 × forward (backward = 2 × forward)."""
+    return 3 * forward_flops(cfg, seq_len, batch_size)["total"] * steps
+
+
+def activation_elements(cfg: ModelConfig, seq_len: int, batch_size: int = 1) -> dict:
+    """Elements saved for backward by the *reference* model, by the CS336 counting convention.
+
+    Per layer: the two norm inputs, Q/K/V, the attention scores and their softmax (heads × seq²),
+    the attention output and output projection, the FFN's two up-projections, their activation and
+    product, and the down projection; then the final norm, the logits and the cross-entropy's softmax.
+    This is an estimate; ``tritonlm accounting --activations`` also *measures* saved tensors.
+    """
+    b, s, d, h = batch_size, seq_len, cfg.d_model, cfg.num_heads
+    ffn_hidden = (4 if cfg.ffn == "swiglu" else 2) * b * s * cfg.d_ff
+    per_layer = b * s * d * (2 + 3 + 1 + 1 + 1) + 2 * b * h * s * s + ffn_hidden
+    return {
+        "per_layer": per_layer,
+        "layers": cfg.num_layers * per_layer,
+        "head": b * s * d + 2 * b * s * cfg.vocab_size,
+        "total": cfg.num_layers * per_layer + b * s * d + 2 * b * s * cfg.vocab_size,
+    }
+
+
+def memory_bytes(cfg: ModelConfig, seq_len: int, batch_size: int = 1, param_dtype: str = "fp32",
+                 activation_dtype: str | None = None) -> dict:
+    """Training memory in bytes: parameters, gradients, AdamW state (two fp32 moments), activations."""
+    if param_dtype not in _BYTES:
+        raise ValueError(f"unknown dtype {param_dtype!r}; one of {sorted(_BYTES)}")
+    act_dtype = activation_dtype or param_dtype
+    if act_dtype not in _BYTES:
+        raise ValueError(f"unknown dtype {act_dtype!r}; one of {sorted(_BYTES)}")
+    n = param_count(cfg)
+    out = {
+        "params": n * _BYTES[param_dtype],
+        "grads": n * _BYTES[param_dtype],
+        "adamw_state": 2 * n * 4,
+        "activations": activation_elements(cfg, seq_len, batch_size)["total"] * _BYTES[act_dtype],
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def peak_flops(device_name: str) -> float | None:
+    """Dense bf16 peak FLOP/s for a GPU name such as ``"NVIDIA H100 80GB HBM3"``; ``None`` if unknown."""
+    for key, value in PEAK_BF16_FLOPS.items():
+        if key.lower() in device_name.lower():
+            return value
+    return None
+
+
+def mfu(cfg: ModelConfig, seq_len: int, batch_size: int, step_time_s: float, peak: float,
+        training: bool = True) -> float:
+    """Model FLOP utilisation: accounting FLOPs of one step ÷ step time ÷ peak FLOP/s."""
+    if step_time_s <= 0 or peak <= 0:
+        raise ValueError("step_time_s and peak must be positive")
+    flops = training_flops(cfg, seq_len, batch_size) if training else forward_flops(
+        cfg, seq_len, batch_size)["total"]
+    return flops / step_time_s / peak

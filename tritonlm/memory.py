@@ -1,0 +1,63 @@
+"""Activation memory: bytes autograd saves for backward, measured with ``saved_tensors_hooks``.
+
+Counting is by storage, once each (a tensor saved by three projections counts once), and parameters
+are excluded: what remains is what a training step keeps alive between forward and backward. Blocks
+are built on the ``meta`` device, so any width and sequence length is measured instantly on any machine
+(the fused kernels' custom ops have shape-only implementations for meta tensors).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def saved_activation_bytes(module: torch.nn.Module, *inputs, **kwargs) -> int:
+    """Bytes of distinct non-parameter storages autograd saves during ``module(*inputs, **kwargs)``."""
+    params = {_storage_key(p) for p in module.parameters()} | {_storage_key(b) for b in module.buffers()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        key = _storage_key(t)
+        if key not in params:
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(*inputs, **kwargs)
+    return sum(saved.values())
+
+
+def block_activation_bytes(cfg: ModelConfig, seq_len: int, batch_size: int = 1,
+                           dtype: torch.dtype = torch.float32) -> dict:
+    """Saved-for-backward bytes of one reference and one fused TransformerBlock of ``cfg``'s width."""
+    from .modules import reference
+    from .modules.fused import TransformerBlock as FusedBlock
+
+    out = {}
+    for name, cls in (("reference", reference.TransformerBlock), ("fused", FusedBlock)):
+        block = cls(cfg.d_model, cfg.num_heads, cfg.d_ff, max(seq_len, cfg.context_length),
+                    cfg.rope_theta if cfg.position == "rope" else None, device="meta", dtype=dtype,
+                    norm=cfg.norm, ffn=cfg.ffn, norm_position=cfg.norm_position)
+        x = torch.empty(batch_size, seq_len, cfg.d_model, device="meta", dtype=dtype, requires_grad=True)
+        out[name] = saved_activation_bytes(block, x)
+    out["ratio"] = out["fused"] / out["reference"]
+    return out
+
+
+def activation_table(cfg: ModelConfig, seq_lens=(512, 1024, 2048, 4096), batch_size: int = 1,
+                     dtype: torch.dtype = torch.float32) -> str:
+    """A text table: per-layer saved bytes, reference vs fused, by sequence length."""
+    rows = []
+    for s in seq_lens:
+        r = block_activation_bytes(cfg, s, batch_size, dtype)
+        rows.append((s, r["reference"], r["fused"], r["ratio"]))
+    lines = [f"{'seq':>6}  {'reference':>12}  {'fused':>12}  {'fused/ref':>9}", "-" * 46]
+    for s, ref, fz, ratio in rows:
+        lines.append(f"{s:>6}  {ref / 2**20:>9.1f} MiB  {fz / 2**20:>9.1f} MiB  {ratio:>9.3f}")
+    return "\n".join(lines)
