@@ -80,6 +80,111 @@ def cmd_accounting(args) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------
+# train / generate
+# ----------------------------------------------------------------------------------------------------
+_MODEL_SIZE_FLAGS = ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff", "rope_theta",
+                     "norm", "ffn", "position", "norm_position")
+
+
+def cmd_train(args) -> int:
+    from .train import TrainConfig, TrainError, train
+
+    overrides = {k: getattr(args, k) for k in _MODEL_SIZE_FLAGS if getattr(args, k) is not None}
+    cfg = TrainConfig(
+        data=args.data, tokenizer=args.tokenizer, preset=args.preset, model_overrides=overrides,
+        max_steps=args.max_steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
+        min_lr=args.min_lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip, eval_every=args.eval_every, eval_batches=args.eval_batches,
+        log_every=args.log_every, checkpoint_every=args.checkpoint_every, out=args.out, backend=args.backend,
+        device=args.device, dtype=args.dtype, compile=args.compile, fsdp=args.fsdp, seed=args.seed,
+        resume=args.resume, sample_prompt=args.prompt, sample_tokens=args.sample_tokens,
+        progress=not args.no_progress)
+    try:
+        train(cfg)
+    except (TrainError, FileNotFoundError) as e:
+        raise CLIError(str(e)) from None
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import time
+
+    from .train import TrainError, generate_text, load_for_generation
+
+    try:
+        model, tokenizer = load_for_generation(args.checkpoint, args.device, args.backend)
+        t0 = time.perf_counter()
+        text = generate_text(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
+                             args.top_p, args.seed)
+    except (TrainError, ValueError) as e:
+        raise CLIError(str(e)) from None
+    dt = time.perf_counter() - t0
+    print(args.prompt + text)
+    n = len(tokenizer.encode(text))
+    print(f"\n[{n} tokens in {dt:.2f}s, {n / max(dt, 1e-9):.1f} tokens/s, backend {model.backend}, "
+          f"KV cache on]", file=sys.stderr)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# tokenize
+# ----------------------------------------------------------------------------------------------------
+def cmd_tokenize(args) -> int:
+    import time
+    from pathlib import Path
+
+    from .tokenizer import Tokenizer, encode_file, train_bpe
+    from .train import SPECIAL_TOKENS, TrainError, load_tokenizer
+
+    src = Path(args.input)
+    if not src.is_file():
+        raise CLIError(f"input file not found: {src}")
+    specials = args.special_tokens if args.special_tokens is not None else SPECIAL_TOKENS
+    try:
+        if args.stats:
+            if not args.tokenizer:
+                raise CLIError("--stats needs one or two --tokenizer directories")
+            text = src.read_text(encoding="utf-8", errors="replace")
+            n_bytes = len(text.encode("utf-8"))
+            rows = []
+            for loc in args.tokenizer:
+                tok = load_tokenizer(loc)
+                t0 = time.perf_counter()
+                n = len(tok.encode(text))
+                dt = time.perf_counter() - t0
+                rows.append([str(loc), f"{tok.vocab_size}", f"{n:,}", f"{n_bytes / max(1, n):.3f}",
+                             f"{n_bytes / 1e6 / dt:.2f}"])
+            print(f"{src}: {n_bytes:,} bytes")
+            print(_table(rows, ["tokenizer", "vocab", "tokens", "bytes/token", "MB/s"]))
+            return 0
+        if args.output:
+            if not args.tokenizer or len(args.tokenizer) != 1:
+                raise CLIError("encoding needs exactly one --tokenizer directory")
+            tok = load_tokenizer(args.tokenizer[0])
+            info = encode_file(tok, src, args.output, num_workers=args.workers, progress=True)
+            print(f"encoded {src} ({info['bytes'] / 1e6:.2f} MB) -> {info['path']}: {info['tokens']:,} tokens "
+                  f"({info['dtype']}), compression {info['bytes'] / max(1, info['tokens']):.3f} bytes/token, "
+                  f"{info['bytes'] / 1e6 / info['seconds']:.2f} MB/s with {args.workers or 'all'} workers")
+            return 0
+        if not args.vocab_size or not args.out:
+            raise CLIError("training needs --vocab-size and --out (or use --output to encode, --stats to compare)")
+        t0 = time.perf_counter()
+        vocab, merges = train_bpe(src, args.vocab_size, specials, num_workers=args.workers, progress=True)
+        dt = time.perf_counter() - t0
+        tok = Tokenizer(vocab, merges, specials)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        tok.save(out / "vocab.json", out / "merges.txt")
+        sample = src.read_text(encoding="utf-8", errors="replace")[:1_000_000]
+        print(f"trained byte-level BPE on {src} ({src.stat().st_size / 1e6:.2f} MB): {len(vocab)} tokens, "
+              f"{len(merges)} merges in {dt:.2f}s -> {out}/vocab.json, {out}/merges.txt; compression "
+              f"{tok.compression_ratio(sample):.3f} bytes/token")
+        return 0
+    except (TrainError, ValueError) as e:
+        raise CLIError(str(e)) from None
+
+
+# ----------------------------------------------------------------------------------------------------
 # entry point
 # ----------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
@@ -98,6 +203,72 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--activation-seq-lens", type=int, nargs="+", default=[512, 1024, 2048, 4096],
                    help="sequence lengths for --activations (default 512 1024 2048 4096)")
     p.set_defaults(func=cmd_accounting)
+
+    p = sub.add_parser("train", help="train a TransformerLM (the main job)",
+                       description="Train a TransformerLM on text. Without --data it trains the tiny preset on an "
+                                   "embedded corpus (Python's pydoc_data topics), on CPU in a few minutes, and "
+                                   "prints a generated sample. Writes checkpoint.pt, log.jsonl, loss.png, "
+                                   "summary.json and the tokenizer into --out.")
+    p.add_argument("--data", help="text file (a tokenizer is trained on it unless --tokenizer is given), or a "
+                                  ".npy/.bin token file; default: the embedded corpus")
+    p.add_argument("--tokenizer", help="directory with vocab.json + merges.txt (GPT-2 format) to use")
+    p.add_argument("--preset", default="tiny", help="model size preset (default tiny; see `tritonlm accounting`)")
+    for name in _MODEL_SIZE_FLAGS:
+        kind = str if name in ("norm", "ffn", "position", "norm_position") else (float if name == "rope_theta" else int)
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                       help=f"override the preset's {name}")
+    p.add_argument("--max-steps", type=int, default=300, help="optimizer steps (default 300)")
+    p.add_argument("--batch-size", type=int, default=32, help="sequences per step per process (default 32)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    p.add_argument("--min-lr", type=float, default=None, help="final learning rate (default lr/10)")
+    p.add_argument("--warmup-steps", type=int, default=None, help="linear warmup steps (default 5%% of steps)")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0, help="global gradient L2 norm cap (default 1.0)")
+    p.add_argument("--eval-every", type=int, default=100, help="validation every N steps (0: only at the end)")
+    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps (default: end only)")
+    p.add_argument("--out", default="runs/tiny", help="output directory (default runs/tiny)")
+    p.add_argument("--backend", default="auto", choices=["auto", "reference", "triton"],
+                   help="auto: triton kernels on CUDA, reference elsewhere")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="auto: bf16 autocast on GPU, fp32 on CPU")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 fully_shard (under torchrun)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
+    p.add_argument("--prompt", default="The", help="prompt for the sample printed at the end")
+    p.add_argument("--sample-tokens", type=int, default=120, help="tokens to sample at the end (0: none)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("generate", help="sample text from a trained checkpoint",
+                       description="Load a training output directory and continue a prompt (KV-cached decoding).")
+    p.add_argument("--checkpoint", required=True, help="training output directory (or its checkpoint.pt)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--backend", default="auto", choices=["auto", "reference", "triton"])
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("tokenize", help="train a BPE tokenizer, encode a file to tokens, compare compression",
+                       description="Three modes on INPUT: train (--vocab-size, --out), encode (--tokenizer DIR "
+                                   "--output FILE.npy), or --stats (compression of one or two --tokenizer dirs).")
+    p.add_argument("input", help="a UTF-8 text file")
+    p.add_argument("--vocab-size", type=int, help="train: final vocabulary size")
+    p.add_argument("--out", help="train: directory for vocab.json and merges.txt")
+    p.add_argument("--special-tokens", nargs="*", default=None, help="default: <|endoftext|>")
+    p.add_argument("--tokenizer", action="append", help="directory with *vocab.json + *merges.txt (repeatable)")
+    p.add_argument("--output", help="encode: output .npy token file (uint16, or uint32 for big vocabs)")
+    p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
+    p.add_argument("--stats", action="store_true", help="compare compression ratios (bytes/token)")
+    p.set_defaults(func=cmd_tokenize)
     return parser
 
 

@@ -1,0 +1,85 @@
+"""Checkpoints: model, optimizer, iteration, and whatever else the trainer needs to resume exactly
+(config, tokenizer reference, RNG states). Written atomically: a temp file, fsync, then rename."""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain module under ``torch.compile`` / DDP wrappers (so keys have no prefixes)."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            return model
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, iteration: int, out,
+                    **extra) -> None:
+    """Save ``model``/``optimizer`` state and ``iteration`` (plus ``extra`` entries) to a path or a binary
+    file object. A path is written atomically: a crash mid-write leaves any previous file intact."""
+    payload = {"model": unwrap(model).state_dict(), "iteration": int(iteration), "rng": rng_state(), **extra}
+    if optimizer is not None:
+        payload["optimizer"] = optimizer.state_dict()
+    if not isinstance(out, (str, os.PathLike)):
+        torch.save(payload, out)
+        return
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def read_checkpoint(src, map_location="cpu") -> dict:
+    """The whole checkpoint dictionary."""
+    return torch.load(src, map_location=map_location, weights_only=False)
+
+
+def load_checkpoint(src, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Restore ``model`` (and ``optimizer`` if given) from a path or binary file; returns the iteration.
+
+    Parameters load by name, so a checkpoint of either backend (reference or fused) loads into either.
+    """
+    payload = read_checkpoint(src, map_location=_device_of(model))
+    unwrap(model).load_state_dict(payload["model"])
+    if optimizer is not None and "optimizer" in payload:
+        optimizer.load_state_dict(payload["optimizer"])
+    return int(payload["iteration"])
+
+
+def _device_of(model: torch.nn.Module):
+    p = next(iter(model.parameters()), None)
+    return p.device if p is not None else "cpu"

@@ -1,0 +1,541 @@
+"""Byte-level BPE: a fast trainer and a GPT-2-compatible encoder.
+
+Training (:func:`train_bpe`): the file is cut into chunks at special tokens (or, without any, at
+newlines where cutting cannot change the pre-tokenisation), chunks are pre-tokenised by worker
+processes with GPT-2's regex into ``{pre-token: count}``, and merges are found incrementally: a pair ->
+count table, a pair -> words index and a max-heap with lazy invalidation, so each merge touches only
+the words that contain the merged pair. Ties go to the lexicographically greater pair (as bytes). The
+result is exactly the naive algorithm's (recount every pair, every merge).
+
+Encoding (:class:`Tokenizer`): special tokens are split out first (longest first when they overlap),
+each pre-token is merged by rank (the lowest-rank adjacent pair first, as GPT-2 does) and cached.
+``encode_iterable`` streams with bounded memory and yields exactly what ``encode`` would.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import os
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import regex
+
+#: GPT-2's pre-tokenisation pattern.
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+_PRETOKEN = regex.compile(GPT2_PATTERN)
+#: A newline between two non-space characters: cutting the text right after it cannot change how the
+#: regex splits either side (no whitespace run or optional leading space crosses it).
+_SAFE_NEWLINE = regex.compile(r"(?<=\S)\n(?=\S)")
+
+Vocab = dict[int, bytes]
+Merges = list[tuple[bytes, bytes]]
+
+
+# ----------------------------------------------------------------------------------------------------
+# pre-tokenisation
+# ----------------------------------------------------------------------------------------------------
+def _special_splitter(special_tokens: Iterable[str]):
+    """A regex that finds special tokens, longest first so that overlapping ones resolve to the longest."""
+    tokens = sorted(set(special_tokens), key=len, reverse=True)
+    if not tokens:
+        return None
+    return regex.compile("|".join(regex.escape(t) for t in tokens))
+
+
+def _count_pretokens(text: str, special_tokens: list[str]) -> Counter:
+    """``{pre-token bytes: count}`` of ``text`` with special tokens removed (never merged across)."""
+    counts: Counter = Counter()
+    splitter = _special_splitter(special_tokens)
+    pieces = splitter.split(text) if splitter else [text]
+    for piece in pieces:
+        counts.update(m.group().encode("utf-8") for m in _PRETOKEN.finditer(piece))
+    return counts
+
+
+#: A newline between two printable ASCII characters, as bytes (see _SAFE_NEWLINE).
+_SAFE_NEWLINE_BYTES = regex.compile(rb"(?<=[\x21-\x7e])\n(?=[\x21-\x7e])")
+
+
+def _next_cut(f, pos: int, size: int, specials: list[bytes], window: int = 1 << 16) -> int:
+    """The first safe cut at or after byte ``pos``: the start of a special token, or where the text has
+    none nearby, just after a safe newline; ``size`` if neither occurs before the end."""
+    longest = max((len(s) for s in specials), default=0)
+    while pos < size:
+        f.seek(pos)
+        buf = f.read(window + longest)
+        hits = [i for i in (buf.find(s) for s in specials) if 0 <= i < window]
+        if hits:
+            return pos + min(hits)
+        m = _SAFE_NEWLINE_BYTES.search(buf, 1, min(len(buf), window + 1))
+        if m:
+            return pos + m.end()
+        pos += window
+    return size
+
+
+def _chunk_boundaries(path: Path, special_tokens: list[str], target_bytes: int) -> list[int]:
+    """Byte offsets cutting the file into chunks of about ``target_bytes`` at safe places
+    (:func:`_next_cut`). Reads the file in windows only."""
+    size = path.stat().st_size
+    specials = [t.encode("utf-8") for t in special_tokens]
+    bounds = [0]
+    with open(path, "rb") as f:
+        while bounds[-1] + target_bytes < size:
+            cut = _next_cut(f, bounds[-1] + target_bytes, size, specials)
+            if cut >= size:
+                break
+            bounds.append(cut)
+    bounds.append(size)
+    return bounds
+
+
+def _count_chunk(args) -> Counter:
+    path, start, end, special_tokens = args
+    with open(path, "rb") as f:
+        f.seek(start)
+        text = f.read(end - start).decode("utf-8", errors="replace")
+    return _count_pretokens(text, special_tokens)
+
+
+def _pool(num_workers: int):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    return ctx.Pool(num_workers)
+
+
+def _auto_chunk_bytes(size: int, num_workers: int) -> int:
+    """About two chunks per worker, between 256 KB and 4 MB (memory per worker stays bounded)."""
+    return max(256 << 10, min(4 << 20, size // max(1, 2 * num_workers)))
+
+
+def count_pretokens_file(path, special_tokens: list[str], num_workers: int | None = None,
+                         chunk_bytes: int | None = None, progress: bool = False) -> Counter:
+    """Pre-token counts of a whole file, chunk by chunk in ``num_workers`` processes."""
+    from tqdm.auto import tqdm
+
+    path = Path(path)
+    if chunk_bytes is None:
+        chunk_bytes = _auto_chunk_bytes(path.stat().st_size, num_workers or os.cpu_count() or 1)
+    bounds = _chunk_boundaries(path, special_tokens, chunk_bytes)
+    jobs = [(str(path), a, b, special_tokens) for a, b in zip(bounds, bounds[1:])]
+    num_workers = num_workers or min(len(jobs), os.cpu_count() or 1)
+    counts: Counter = Counter()
+    bar = tqdm(total=len(jobs), desc="pre-tokenise", unit="chunk", disable=not progress)
+    if num_workers <= 1 or len(jobs) <= 1:
+        for job in jobs:
+            counts.update(_count_chunk(job))
+            bar.update()
+    else:
+        with _pool(num_workers) as pool:
+            for part in pool.imap_unordered(_count_chunk, jobs):
+                counts.update(part)
+                bar.update()
+    bar.close()
+    return counts
+
+
+# ----------------------------------------------------------------------------------------------------
+# training
+# ----------------------------------------------------------------------------------------------------
+def _descending_key(token: bytes) -> tuple[int, ...]:
+    """A key whose ascending order is the *descending* byte order of tokens: each byte inverted, and a
+    terminator larger than any inverted byte so that a prefix sorts after its extensions."""
+    return tuple(255 - x for x in token) + (256,)
+
+
+def train_bpe(input_path, vocab_size: int, special_tokens: list[str] | None = None, *,
+              num_workers: int | None = None, progress: bool | None = None,
+              chunk_bytes: int | None = None) -> tuple[Vocab, Merges]:
+    """Train a byte-level BPE tokenizer on a text file.
+
+    Returns ``(vocab, merges)``: ids 0-255 are the bytes, then ``special_tokens`` in order, then one id
+    per merge in creation order. Options: ``num_workers`` pre-tokenisation processes (default: cores),
+    ``progress`` bar (default: when stderr is a terminal), ``chunk_bytes`` per pre-tokenisation task
+    (default: about two per worker, 256 KB to 4 MB).
+    """
+    from tqdm.auto import tqdm
+
+    special_tokens = list(special_tokens or [])
+    path = Path(input_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"train_bpe: no such file: {path}")
+    n_base = 256 + len(special_tokens)
+    if vocab_size < n_base:
+        raise ValueError(f"vocab_size {vocab_size} is smaller than 256 bytes + {len(special_tokens)} special tokens")
+    if progress is None:
+        import sys
+
+        progress = sys.stderr.isatty()
+
+    vocab: Vocab = {i: bytes([i]) for i in range(256)}
+    for i, tok in enumerate(special_tokens):
+        vocab[256 + i] = tok.encode("utf-8")
+    counts = count_pretokens_file(path, special_tokens, num_workers, chunk_bytes, progress)
+
+    # words as lists of token ids, with their frequencies
+    words = [list(w) for w in counts]
+    freqs = list(counts.values())
+    pair_counts: dict[tuple[int, int], int] = {}
+    pair_words: dict[tuple[int, int], set[int]] = {}
+    for idx, (w, f) in enumerate(zip(words, freqs)):
+        for pair in zip(w, w[1:]):
+            pair_counts[pair] = pair_counts.get(pair, 0) + f
+            pair_words.setdefault(pair, set()).add(idx)
+    # max-heap on (count, pair bytes) via heapq's min-heap: negated count, descending byte keys
+    keys = {i: _descending_key(t) for i, t in vocab.items()}
+    heap = [(-c, keys[a], keys[b], a, b) for (a, b), c in pair_counts.items()]
+    heapq.heapify(heap)
+
+    merges: Merges = []
+    n_merges = vocab_size - n_base
+    bar = tqdm(total=n_merges, desc="merges", unit="merge", disable=not progress)
+    while len(merges) < n_merges and heap:
+        neg, _, _, a, b = heapq.heappop(heap)
+        pair = (a, b)
+        if pair_counts.get(pair, 0) != -neg or -neg <= 0:
+            continue  # stale entry: the count changed after it was pushed
+        new_id = len(vocab)
+        vocab[new_id] = vocab[a] + vocab[b]
+        keys[new_id] = _descending_key(vocab[new_id])
+        merges.append((vocab[a], vocab[b]))
+        bar.update()
+        delta: dict[tuple[int, int], int] = {}  # net count change per pair over all affected words
+        for idx in pair_words.pop(pair, ()):
+            w = words[idx]
+            # merge every non-overlapping occurrence, left to right
+            merged, i, n, hit = [], 0, len(w), False
+            while i < n:
+                if i + 1 < n and w[i] == a and w[i + 1] == b:
+                    merged.append(new_id)
+                    i += 2
+                    hit = True
+                else:
+                    merged.append(w[i])
+                    i += 1
+            if not hit:
+                continue  # index entry left over from an earlier merge of this word
+            f = freqs[idx]
+            for p in zip(w, w[1:]):
+                delta[p] = delta.get(p, 0) - f
+            for p in zip(merged, merged[1:]):
+                delta[p] = delta.get(p, 0) + f
+                if p[0] == new_id or p[1] == new_id:
+                    pair_words.setdefault(p, set()).add(idx)
+            words[idx] = merged
+        for p, d in delta.items():
+            if d == 0:
+                continue
+            c = pair_counts.get(p, 0) + d
+            if c > 0:
+                pair_counts[p] = c
+                heapq.heappush(heap, (-c, keys[p[0]], keys[p[1]], p[0], p[1]))
+            else:
+                pair_counts.pop(p, None)
+    bar.close()
+    return vocab, merges
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPT-2 file format
+# ----------------------------------------------------------------------------------------------------
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (printable bytes map to themselves)."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+_BYTE_TO_CHAR = _bytes_to_unicode()
+_CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
+
+
+def _to_unicode(token: bytes) -> str:
+    return "".join(_BYTE_TO_CHAR[b] for b in token)
+
+
+def _from_unicode(text: str) -> bytes:
+    try:
+        return bytes(_CHAR_TO_BYTE[c] for c in text)
+    except KeyError:
+        return text.encode("utf-8")  # e.g. a special token written literally
+
+
+# ----------------------------------------------------------------------------------------------------
+# encoder
+# ----------------------------------------------------------------------------------------------------
+class Tokenizer:
+    """Byte-level BPE encoder/decoder over a ``vocab`` (id -> bytes) and ranked ``merges``."""
+
+    def __init__(self, vocab: Vocab, merges: Merges, special_tokens: list[str] | None = None):
+        self.vocab: Vocab = dict(vocab)
+        self.merges: Merges = list(merges)
+        self.special_tokens = list(dict.fromkeys(special_tokens or []))
+        self._id_of: dict[bytes, int] = {}
+        for i, tok in self.vocab.items():
+            self._id_of.setdefault(tok, i)
+        for tok in self.special_tokens:
+            raw = tok.encode("utf-8")
+            if raw not in self._id_of:
+                new_id = max(self.vocab, default=-1) + 1
+                self.vocab[new_id] = raw
+                self._id_of[raw] = new_id
+        missing = [b for b in range(256) if bytes([b]) not in self._id_of]
+        if missing:
+            raise ValueError(f"vocab lacks single-byte tokens (e.g. {bytes([missing[0]])!r}): not byte-level")
+        self._byte_ids = [self._id_of[bytes([b])] for b in range(256)]
+        # (left id, right id) -> (rank, merged id)
+        self._ranks: dict[tuple[int, int], tuple[int, int]] = {}
+        for rank, (left, right) in enumerate(self.merges):
+            try:
+                key = (self._id_of[left], self._id_of[right])
+                merged = self._id_of[left + right]
+            except KeyError as e:
+                raise ValueError(f"merge {rank} {left!r} + {right!r} uses a token missing from the vocab") from e
+            self._ranks.setdefault(key, (rank, merged))
+        self._special_ids = {t: self._id_of[t.encode("utf-8")] for t in self.special_tokens}
+        self._splitter = _special_splitter(self.special_tokens)
+        self._cache: dict[str, tuple[int, ...]] = {}
+
+    # -- construction from / to files ------------------------------------------------------------
+    @classmethod
+    def from_files(cls, vocab_path, merges_path, special_tokens: list[str] | None = None) -> Tokenizer:
+        """Load GPT-2's ``vocab.json`` (token string -> id) and ``merges.txt`` (one ``a b`` per line)."""
+        with open(vocab_path, encoding="utf-8") as f:
+            raw_vocab = json.load(f)
+        vocab = {int(i): _from_unicode(tok) for tok, i in raw_vocab.items()}
+        merges: Merges = []
+        with open(merges_path, encoding="utf-8") as f:
+            for line in f:
+                line = line.rstrip("\n")
+                if not line or line.startswith("#version"):
+                    continue
+                parts = line.split(" ")
+                if len(parts) != 2:
+                    raise ValueError(f"bad merges line: {line!r}")
+                merges.append((_from_unicode(parts[0]), _from_unicode(parts[1])))
+        return cls(vocab, merges, special_tokens)
+
+    def save(self, vocab_path, merges_path) -> None:
+        """Write GPT-2's format: ``vocab.json`` and ``merges.txt`` (byte <-> unicode mapped)."""
+        special = {t.encode("utf-8") for t in self.special_tokens}
+        out = {(tok.decode("utf-8") if tok in special else _to_unicode(tok)): i for i, tok in self.vocab.items()}
+        with open(vocab_path, "w", encoding="utf-8") as f:
+            json.dump(out, f, ensure_ascii=False)
+        with open(merges_path, "w", encoding="utf-8") as f:
+            f.write("#version: 0.2\n")
+            for left, right in self.merges:
+                f.write(f"{_to_unicode(left)} {_to_unicode(right)}\n")
+
+    # -- encoding ----------------------------------------------------------------------------------
+    def _bpe(self, piece: str) -> tuple[int, ...]:
+        ids = [self._byte_ids[b] for b in piece.encode("utf-8")]
+        ranks = self._ranks
+        while len(ids) > 1:
+            best, best_i = None, -1
+            for i in range(len(ids) - 1):
+                r = ranks.get((ids[i], ids[i + 1]))
+                if r is not None and (best is None or r[0] < best[0]):
+                    best, best_i = r, i
+            if best is None:
+                break
+            left, right = ids[best_i], ids[best_i + 1]
+            merged, i = [], 0
+            while i < len(ids):
+                if i + 1 < len(ids) and ids[i] == left and ids[i + 1] == right:
+                    merged.append(best[1])
+                    i += 2
+                else:
+                    merged.append(ids[i])
+                    i += 1
+            ids = merged
+        return tuple(ids)
+
+    def _encode_ordinary(self, text: str, out: list[int]) -> None:
+        cache = self._cache
+        get, extend = cache.get, out.extend
+        for piece in _PRETOKEN.findall(text):
+            ids = get(piece)
+            if ids is None:
+                ids = self._bpe(piece)
+                if len(cache) < 1_000_000:  # bounded: pathological inputs cannot grow it forever
+                    cache[piece] = ids
+            extend(ids)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (special tokens become their single ids)."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects str, got {type(text).__name__}")
+        out: list[int] = []
+        if self._splitter is None:
+            self._encode_ordinary(text, out)
+            return out
+        pos = 0
+        for m in self._splitter.finditer(text):
+            self._encode_ordinary(text[pos:m.start()], out)
+            out.append(self._special_ids[m.group()])
+            pos = m.end()
+        self._encode_ordinary(text[pos:], out)
+        return out
+
+    def _safe_cut(self, buf: str) -> tuple[int, list[str]]:
+        """How much of ``buf`` can be encoded now, whatever text follows it: ``(seg_start, pieces)`` where
+        ``buf[:seg_start]`` ends with a special token (or is empty) and ``pieces`` are the final
+        pre-tokens after it. The pieces are returned rather than re-split, because a prefix split on its
+        own would let its last pre-token see the end of the string (``"\n\nOnce"`` is ``\n``, ``\n``,
+        ``Once``, but ``"\n\n"`` alone is one pre-token).
+
+        Held back: a tail that may still grow into a special token, and the last two pre-tokens of the
+        text after the last special token. The last one may grow or split; the one before it may merge
+        with it (``we'l`` + ``l`` must become `` we``, ``'ll``). Earlier pre-tokens are final: every
+        alternative of the pattern is decided within the next two characters (contractions are at most
+        three long, greedy runs stop at a character that is present, the whitespace lookahead sees one).
+        """
+        limit = len(buf)
+        for tok in self.special_tokens:
+            for k in range(min(len(tok), len(buf)), 0, -1):
+                # a proper prefix of a special token, or a whole one that is a prefix of a longer one
+                if buf.endswith(tok[:k]) and (k < len(tok) or any(
+                        len(o) > len(tok) and o.startswith(tok) for o in self.special_tokens)):
+                    limit = min(limit, len(buf) - k)
+                    break
+        seg_start = 0
+        if self._splitter is not None:
+            for m in self._splitter.finditer(buf, 0, limit):
+                seg_start = m.end()
+        pieces = _PRETOKEN.findall(buf, seg_start, limit)
+        return seg_start, pieces[:-2]
+
+    def encode_iterable(self, iterable: Iterable[str]) -> Iterator[int]:
+        """Stream token ids for an iterable of strings (e.g. an open text file); identical to ``encode``
+        on the concatenation, with memory bounded by the longest pre-token, not the input."""
+        buf = ""
+        for chunk in iterable:
+            if not isinstance(chunk, str):
+                raise TypeError(f"encode_iterable expects strings, got {type(chunk).__name__}")
+            buf += chunk
+            seg_start, pieces = self._safe_cut(buf)
+            if seg_start:
+                yield from self.encode(buf[:seg_start])
+            cut = seg_start
+            for piece in pieces:
+                ids = self._cache.get(piece)
+                yield from ids if ids is not None else self._bpe(piece)
+                cut += len(piece)
+            buf = buf[cut:]
+        if buf:
+            yield from self.encode(buf)
+
+    # -- decoding ----------------------------------------------------------------------------------
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids``; invalid UTF-8 sequences become U+FFFD."""
+        try:
+            raw = b"".join(self.vocab[int(i)] for i in ids)
+        except KeyError as e:
+            raise ValueError(f"unknown token id {e.args[0]} (vocab has {len(self.vocab)} tokens)") from None
+        return raw.decode("utf-8", errors="replace")
+
+    def __len__(self) -> int:
+        return len(self.vocab)
+
+    @property
+    def vocab_size(self) -> int:
+        return max(self.vocab) + 1
+
+    def compression_ratio(self, text: str) -> float:
+        """UTF-8 bytes per token."""
+        n = len(self.encode(text))
+        return len(text.encode("utf-8")) / max(1, n)
+
+
+# ----------------------------------------------------------------------------------------------------
+# files -> token arrays
+# ----------------------------------------------------------------------------------------------------
+_WORKER_TOKENIZER: Tokenizer | None = None
+
+
+def _init_worker(tok: Tokenizer) -> None:
+    global _WORKER_TOKENIZER
+    _WORKER_TOKENIZER = tok
+
+
+def _encode_chunk(args):
+    path, start, end, dtype = args
+    import numpy as np
+
+    with open(path, "rb") as f:
+        f.seek(start)
+        text = f.read(end - start).decode("utf-8", errors="replace")
+    return np.asarray(_WORKER_TOKENIZER.encode(text), dtype=dtype), end - start
+
+
+def encode_file(tokenizer: Tokenizer, input_path, output_path, num_workers: int | None = None,
+                chunk_bytes: int | None = None, progress: bool = False) -> dict:
+    """Encode a text file into a flat ``.npy`` token array (uint16 when the vocab fits, else uint32).
+
+    The file is cut at special tokens / safe newlines (the result equals ``encode`` of the whole text),
+    chunks are encoded by ``num_workers`` processes in order and streamed to disk, so memory stays
+    bounded by the chunk size. Returns ``{"tokens", "bytes", "seconds", "dtype", "path"}``.
+    """
+    import tempfile
+    import time
+
+    import numpy as np
+    from tqdm.auto import tqdm
+
+    input_path, output_path = Path(input_path), Path(output_path)
+    if not input_path.is_file():
+        raise FileNotFoundError(f"no such file: {input_path}")
+    size = input_path.stat().st_size
+    num_workers = num_workers or os.cpu_count() or 1
+    chunk_bytes = chunk_bytes or _auto_chunk_bytes(size, num_workers)
+    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+    bounds = _chunk_boundaries(input_path, tokenizer.special_tokens, chunk_bytes)
+    jobs = [(str(input_path), a, b, dtype) for a, b in zip(bounds, bounds[1:])]
+    t0 = time.perf_counter()
+    n_tokens = 0
+    output_path.parent.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=size, desc="encode", unit="B", unit_scale=True, disable=not progress)
+    with tempfile.TemporaryFile(dir=output_path.parent) as raw:
+        if num_workers <= 1 or len(jobs) <= 1:
+            _init_worker(tokenizer)
+            results = map(_encode_chunk, jobs)
+            pool = None
+        else:
+            import multiprocessing as mp
+
+            ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+            pool = ctx.Pool(num_workers, initializer=_init_worker, initargs=(tokenizer,))
+            results = pool.imap(_encode_chunk, jobs)
+        try:
+            for arr, n_bytes in results:
+                raw.write(arr.tobytes())
+                n_tokens += len(arr)
+                bar.update(n_bytes)
+        finally:
+            if pool is not None:
+                pool.close()
+                pool.join()
+        bar.close()
+        raw.seek(0)
+        tmp_out = output_path.with_name(output_path.name + ".tmp")
+        with open(tmp_out, "wb") as out:
+            header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
+                      "shape": (n_tokens,)}
+            np.lib.format.write_array_header_1_0(out, header)
+            while block := raw.read(1 << 24):
+                out.write(block)
+        os.replace(tmp_out, output_path)
+    seconds = time.perf_counter() - t0
+    return {"tokens": n_tokens, "bytes": size, "seconds": seconds, "dtype": np.dtype(dtype).name,
+            "path": str(output_path)}

@@ -1,0 +1,533 @@
+"""The main job: train a TransformerLM on text, log, checkpoint, plot, and sample from it.
+
+Data: a text file (a tokenizer is trained on it, or loaded, and the text is tokenised once into a cached
+``.npy`` memmap), a pre-tokenised ``.npy``/``.bin`` token file, or, with no data given, an embedded default
+corpus that ships with Python itself (the stdlib's ``pydoc_data.topics``: the language reference's topic
+texts, about 0.5 MB), so one command trains on any fresh machine.
+
+Runs on one device, or under ``torchrun`` with DistributedDataParallel (``gloo`` on CPU, ``nccl`` on GPU;
+FSDP2 ``fully_shard`` with ``fsdp=True``): every rank draws its own slice of one global batch, rank 0 logs
+and checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import accounting
+from .checkpoint import read_checkpoint, restore_rng_state, save_checkpoint, unwrap
+from .config import ModelConfig
+from .data import batch_at, sample_starts
+from .modules import TransformerLM
+from .modules.functional import cross_entropy
+from .optim import AdamW, clip_grad_norm_, cosine_lr_schedule
+
+SPECIAL_TOKENS = ["<|endoftext|>"]
+CHECKPOINT_NAME = "checkpoint.pt"
+
+
+@dataclass
+class TrainConfig:
+    """Everything ``tritonlm train`` takes (see ``tritonlm train --help``)."""
+
+    data: str | None = None
+    tokenizer: str | None = None
+    preset: str = "tiny"
+    model_overrides: dict = field(default_factory=dict)
+    max_steps: int = 300
+    batch_size: int = 32
+    grad_accum: int = 1
+    context_length: int | None = None
+    lr: float = 3e-3
+    min_lr: float | None = None
+    warmup_steps: int | None = None
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    eval_batches: int = 8
+    log_every: int = 10
+    checkpoint_every: int = 0
+    out: str = "runs/tiny"
+    backend: str = "auto"
+    device: str = "auto"
+    dtype: str = "auto"
+    compile: bool = False
+    fsdp: bool = False
+    seed: int = 0
+    resume: bool = False
+    val_fraction: float = 0.05
+    sample_prompt: str = "The"
+    sample_tokens: int = 120
+    progress: bool = True
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+
+class TrainError(ValueError):
+    """A bad training input, reported as one line by the CLI."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# distributed
+# ----------------------------------------------------------------------------------------------------
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(device: torch.device) -> Dist:
+    """Join the process group when launched by ``torchrun`` (RANK/WORLD_SIZE set)."""
+    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return Dist()
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend)
+    return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _all_mean(value: torch.Tensor, d: Dist) -> torch.Tensor:
+    if d.world == 1:
+        return value
+    import torch.distributed as dist
+
+    value = value.detach().clone()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value / d.world
+
+
+# ----------------------------------------------------------------------------------------------------
+# data
+# ----------------------------------------------------------------------------------------------------
+def default_corpus_text() -> str:
+    """The embedded default corpus: Python's own ``pydoc_data.topics`` texts, in key order."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def _fingerprint(path: Path) -> str:
+    st = path.stat()
+    return hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+
+
+def find_tokenizer_files(location) -> tuple[Path, Path]:
+    """``vocab.json`` and ``merges.txt`` in a directory (or GPT-2's ``*vocab.json``/``*merges.txt``)."""
+    loc = Path(location)
+    if not loc.is_dir():
+        raise TrainError(f"tokenizer directory not found: {loc}")
+    vocab = sorted(loc.glob("*vocab.json"))
+    merges = sorted(loc.glob("*merges.txt"))
+    if len(vocab) != 1 or len(merges) != 1:
+        raise TrainError(f"{loc} must hold exactly one *vocab.json and one *merges.txt")
+    return vocab[0], merges[0]
+
+
+def load_tokenizer(location):
+    from .tokenizer import Tokenizer
+
+    vocab, merges = find_tokenizer_files(location)
+    return Tokenizer.from_files(vocab, merges, SPECIAL_TOKENS)
+
+
+def prepare_data(cfg: TrainConfig, out: Path, vocab_size: int, say=print):
+    """Returns ``(tokens memmap, tokenizer or None, tokenizer directory or None)``."""
+    from .tokenizer import Tokenizer, encode_file, train_bpe
+
+    data_dir = out / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.data is None:
+        path = data_dir / "default_corpus.txt"
+        if not path.exists():
+            path.write_text(default_corpus_text(), encoding="utf-8")
+        say(f"data: no --data given, using the embedded default corpus (Python's pydoc_data.topics, "
+            f"{path.stat().st_size / 1e6:.2f} MB) -> {path}")
+    else:
+        path = Path(cfg.data)
+        if not path.is_file():
+            raise TrainError(f"data file not found: {path}")
+        if path.stat().st_size == 0:
+            raise TrainError(f"data file is empty: {path}")
+
+    if path.suffix in (".npy", ".bin"):
+        tokens = np.load(path, mmap_mode="r") if path.suffix == ".npy" else np.memmap(path, dtype=np.uint16, mode="r")
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise TrainError(f"{path} must be a flat integer token array")
+        tok_dir = Path(cfg.tokenizer) if cfg.tokenizer else None
+        tokenizer = load_tokenizer(tok_dir) if tok_dir else None
+        say(f"data: {len(tokens):,} pre-tokenised tokens from {path}")
+        return tokens, tokenizer, tok_dir
+
+    if cfg.tokenizer:
+        tok_dir = Path(cfg.tokenizer)
+        tokenizer = load_tokenizer(tok_dir)
+        say(f"tokenizer: loaded from {tok_dir} ({tokenizer.vocab_size} ids)")
+    else:
+        tok_dir = out / "tokenizer"
+        stamp = tok_dir / "source.json"
+        source = {"data": _fingerprint(path), "vocab_size": vocab_size}
+        if stamp.exists() and json.loads(stamp.read_text()) == source:
+            tokenizer = load_tokenizer(tok_dir)
+            say(f"tokenizer: reusing {tok_dir} (trained on this data, vocab {vocab_size})")
+        else:
+            t0 = time.perf_counter()
+            vocab, merges = train_bpe(path, vocab_size, SPECIAL_TOKENS, progress=cfg.progress)
+            tokenizer = Tokenizer(vocab, merges, SPECIAL_TOKENS)
+            tok_dir.mkdir(parents=True, exist_ok=True)
+            tokenizer.save(tok_dir / "vocab.json", tok_dir / "merges.txt")
+            stamp.write_text(json.dumps(source))
+            say(f"tokenizer: trained byte-level BPE, vocab {vocab_size}, in {time.perf_counter() - t0:.1f}s "
+                f"-> {tok_dir}")
+    cache = data_dir / f"tokens-{_fingerprint(path)}-{hashlib.sha1(str(sorted(tokenizer.vocab.items())[-50:]).encode()).hexdigest()[:8]}.npy"
+    if not cache.exists():
+        info = encode_file(tokenizer, path, cache, progress=cfg.progress)
+        say(f"data: tokenised {info['bytes'] / 1e6:.2f} MB into {info['tokens']:,} tokens "
+            f"({info['bytes'] / max(1, info['tokens']):.2f} bytes/token, {info['bytes'] / 1e6 / info['seconds']:.1f} MB/s) -> {cache}")
+    tokens = np.load(cache, mmap_mode="r")
+    return tokens, tokenizer, tok_dir
+
+
+def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
+    """Entropy (nats) of the empirical token distribution: the loss of the best context-free model."""
+    counts = np.bincount(np.asarray(tokens), minlength=vocab_size).astype(np.float64)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+# ----------------------------------------------------------------------------------------------------
+# training
+# ----------------------------------------------------------------------------------------------------
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise TrainError(f"--device {name} asked for CUDA, but no CUDA device is available")
+    return dev
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _autocast(device: torch.device, dtype: str):
+    if dtype == "auto":
+        dtype = "bf16" if device.type == "cuda" else "fp32"
+    if dtype == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16), "bf16"
+    if dtype == "fp32":
+        return torch.autocast(device.type, enabled=False), "fp32"
+    raise TrainError(f"--dtype must be auto, bf16 or fp32, got {dtype!r}")
+
+
+def train(cfg: TrainConfig, say=print) -> dict:
+    """Run the whole job; returns a summary dict (also written to ``out/summary.json``)."""
+    from tqdm.auto import tqdm
+
+    device = resolve_device(cfg.device)
+    dist_info = setup_distributed(device)
+    if device.type == "cuda" and dist_info.world > 1:
+        device = torch.device("cuda", dist_info.local_rank)
+        torch.cuda.set_device(device)
+    main = dist_info.main
+    say = say if main else (lambda *a, **k: None)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    try:
+        mcfg = ModelConfig.preset(cfg.preset, **cfg.model_overrides)
+    except (ValueError, TypeError) as e:
+        raise TrainError(str(e)) from None
+    if cfg.context_length:
+        mcfg = mcfg.replace(context_length=cfg.context_length)
+    if cfg.max_steps <= 0 or cfg.batch_size <= 0 or cfg.grad_accum <= 0:
+        raise TrainError("--max-steps, --batch-size and --grad-accum must be positive")
+
+    # ---- data and tokenizer (rank 0 prepares, the others wait and reuse the cache)
+    if dist_info.world > 1 and not main:
+        torch.distributed.barrier()
+    tokens, tokenizer, tok_dir = prepare_data(cfg, out, mcfg.vocab_size, say)
+    if dist_info.world > 1 and main:
+        torch.distributed.barrier()
+    if tokenizer is not None and tokenizer.vocab_size != mcfg.vocab_size:
+        mcfg = mcfg.replace(vocab_size=tokenizer.vocab_size)
+    max_id = int(tokens.max()) if len(tokens) else -1
+    if max_id >= mcfg.vocab_size:
+        raise TrainError(f"data holds token id {max_id} but the model's vocab is {mcfg.vocab_size}")
+    n_val = max(mcfg.context_length + 1, int(len(tokens) * cfg.val_fraction))
+    if len(tokens) - n_val <= mcfg.context_length:
+        raise TrainError(f"the data has {len(tokens):,} tokens: too few for context {mcfg.context_length} "
+                         f"plus a validation split")
+    train_tokens, val_tokens = tokens[:-n_val], tokens[-n_val:]
+    entropy = unigram_entropy(train_tokens, mcfg.vocab_size)
+
+    # ---- model and optimizer
+    torch.manual_seed(cfg.seed)
+    model = TransformerLM.from_config(mcfg, device=device, backend=cfg.backend)
+    say(f"model: preset {cfg.preset}, {accounting.param_count(mcfg) / 1e6:.2f}M parameters, "
+        f"backend {model.backend} on {device}" + (f" ({dist_info.world} ranks)" if dist_info.world > 1 else ""))
+    optimizer = AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    start_step = 0
+    ckpt_path = out / CHECKPOINT_NAME
+    if cfg.resume:
+        if not ckpt_path.exists():
+            raise TrainError(f"--resume: no checkpoint in {out}")
+        payload = read_checkpoint(ckpt_path, map_location=device)
+        model.load_state_dict(payload["model"])
+        optimizer.load_state_dict(payload["optimizer"])
+        start_step = int(payload["iteration"])
+        restore_rng_state(payload["rng"])
+        generator.set_state(payload["generator"])
+        say(f"resume: from step {start_step} of {ckpt_path}")
+    if cfg.fsdp:
+        if dist_info.world == 1:
+            raise TrainError("--fsdp needs torchrun with more than one process")
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        train_model = model
+    elif dist_info.world > 1:
+        train_model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
+    else:
+        train_model = model
+    if cfg.compile:
+        train_model = torch.compile(train_model)
+    autocast, precision = _autocast(device, cfg.dtype)
+
+    min_lr = cfg.min_lr if cfg.min_lr is not None else cfg.lr / 10
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, cfg.max_steps // 20)
+    ctx = mcfg.context_length
+    global_batch = cfg.batch_size * dist_info.world
+    tokens_per_step = global_batch * ctx * cfg.grad_accum
+    peak = accounting.peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    step_flops = accounting.training_flops(mcfg, ctx, global_batch * cfg.grad_accum)
+    say(f"train: {cfg.max_steps} steps x {tokens_per_step:,} tokens (batch {cfg.batch_size} x {dist_info.world} "
+        f"ranks x accum {cfg.grad_accum}, context {ctx}), {precision}, lr {cfg.lr:g} -> {min_lr:g}, "
+        f"unigram entropy of the data {entropy:.3f} nats")
+
+    def micro_batch(source, gen):
+        starts = sample_starts(len(source), global_batch, ctx, gen)
+        mine = starts[dist_info.rank * cfg.batch_size:(dist_info.rank + 1) * cfg.batch_size]
+        return batch_at(source, mine, ctx, device)
+
+    @torch.no_grad()
+    def evaluate() -> float:
+        model.eval()
+        gen = torch.Generator().manual_seed(cfg.seed + 1)  # the same validation windows every time
+        total = torch.zeros((), device=device)
+        for _ in range(cfg.eval_batches):
+            x, y = micro_batch(val_tokens, gen)
+            with autocast:
+                total += cross_entropy(train_model(x), y).float()
+        model.train()
+        return float(_all_mean(total / cfg.eval_batches, dist_info))
+
+    log_path = out / "log.jsonl"
+    log = open(log_path, "a" if cfg.resume else "w") if main else None
+    history = []
+
+    def record(entry: dict):
+        history.append(entry)
+        if log:
+            log.write(json.dumps(entry) + "\n")
+            log.flush()
+
+    def checkpoint(step: int):
+        if not main:
+            return
+        save_checkpoint(unwrap(model), optimizer, step, ckpt_path, model_config=mcfg.to_dict(),
+                        train_config=cfg.to_dict(), generator=generator.get_state(),
+                        tokenizer=str(tok_dir.resolve()) if tok_dir else None)
+
+    model.train()
+    bar = tqdm(range(start_step, cfg.max_steps), initial=start_step, total=cfg.max_steps, desc="train",
+               unit="step", disable=not (main and cfg.progress), dynamic_ncols=True)
+    t_last, steps_since, loss_acc = time.perf_counter(), 0, torch.zeros((), device=device)
+    val_loss = None
+    for step in bar:
+        lr = cosine_lr_schedule(step, cfg.lr, min_lr, warmup, cfg.max_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        for micro in range(cfg.grad_accum):
+            x, y = micro_batch(train_tokens, generator)
+            sync = micro == cfg.grad_accum - 1 or not isinstance(train_model, torch.nn.parallel.DistributedDataParallel)
+            with train_model.no_sync() if not sync else _null():
+                with autocast:
+                    loss = cross_entropy(train_model(x), y) / cfg.grad_accum
+                loss.backward()
+            loss_acc += loss.detach()
+        grad_norm = clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        steps_since += 1
+        done = step + 1
+        if done % cfg.log_every == 0 or done == cfg.max_steps:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            now = time.perf_counter()
+            dt = (now - t_last) / steps_since
+            train_loss = float(_all_mean(loss_acc / steps_since, dist_info))
+            entry = {"step": done, "loss": train_loss, "lr": lr, "grad_norm": float(grad_norm),
+                     "tokens_per_s": tokens_per_step / dt, "step_s": dt}
+            if peak:
+                entry["mfu"] = step_flops / dt / peak
+            if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.max_steps):
+                val_loss = evaluate()
+                entry["val_loss"] = val_loss
+                entry["val_ppl"] = math.exp(val_loss)
+            record(entry)
+            postfix = {"loss": f"{train_loss:.3f}", "tok/s": f"{entry['tokens_per_s']:,.0f}"}
+            if val_loss is not None:
+                postfix["val"] = f"{val_loss:.3f}"
+            if peak:
+                postfix["mfu"] = f"{100 * entry['mfu']:.1f}%"
+            bar.set_postfix(postfix)
+            t_last, steps_since, loss_acc = time.perf_counter(), 0, torch.zeros((), device=device)
+        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
+            checkpoint(done)
+    bar.close()
+    checkpoint(cfg.max_steps)
+    if val_loss is None:
+        val_loss = evaluate()
+
+    # ---- ranks agree? (DDP keeps replicas identical; report a checksum per rank)
+    summary = {"steps": cfg.max_steps, "final_train_loss": history[-1]["loss"] if history else None,
+               "final_val_loss": val_loss, "unigram_entropy": entropy, "out": str(out),
+               "checkpoint": str(ckpt_path), "backend": model.backend, "device": str(device),
+               "world_size": dist_info.world, "tokens_per_step": tokens_per_step}
+    if dist_info.world > 1 and not cfg.fsdp:
+        import torch.distributed as dist
+
+        checksum = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum().to(device)
+        gathered = [torch.zeros_like(checksum) for _ in range(dist_info.world)]
+        dist.all_gather(gathered, checksum)
+        summary["rank_checksums"] = [float(c) for c in gathered]
+    if main:
+        if history:
+            say(f"done: {cfg.max_steps} steps, train loss {summary['final_train_loss']:.3f}, "
+                f"val loss {val_loss:.3f} (perplexity {math.exp(val_loss):.1f}) vs unigram entropy "
+                f"{entropy:.3f} nats" + (" -- below it: the model uses context" if val_loss < entropy else ""))
+        plot = plot_loss(history, out / "loss.png", entropy)
+        say(f"saved: checkpoint {ckpt_path}, log {log_path}" + (f", plot {plot}" if plot else
+            " (pip install 'tritonlm[plot]' for a loss-curve PNG)"))
+        if tokenizer is not None and cfg.sample_tokens > 0:
+            sample = generate_text(model, tokenizer, cfg.sample_prompt, cfg.sample_tokens, temperature=0.8,
+                                   top_k=40, seed=cfg.seed)
+            summary["sample"] = sample
+            say(f"sample (prompt {cfg.sample_prompt!r}, temperature 0.8, top-k 40):\n{'-' * 60}\n"
+                f"{cfg.sample_prompt}{sample}\n{'-' * 60}")
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if log:
+        log.close()
+    if dist_info.world > 1:
+        torch.distributed.barrier()
+    return summary
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def plot_loss(history: list[dict], path: Path, entropy: float | None = None) -> Path | None:
+    """Loss curve PNG (train, validation, the unigram-entropy line); None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    if not history:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([h["step"] for h in history], [h["loss"] for h in history], label="train loss")
+    val = [h for h in history if "val_loss" in h]
+    if val:
+        ax.plot([h["step"] for h in val], [h["val_loss"] for h in val], "o-", label="validation loss")
+    if entropy is not None:
+        ax.axhline(entropy, color="gray", ls="--", label=f"unigram entropy ({entropy:.2f})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title("tritonlm training")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 1.0,
+                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> str:
+    """Continue ``prompt``; stops at ``<|endoftext|>``. Returns the new text only."""
+    ids = tokenizer.encode(prompt)
+    if not ids:
+        raise TrainError("the prompt encodes to no tokens")
+    device = next(model.parameters()).device
+    gen = None
+    if seed is not None:
+        gen = torch.Generator(device=device).manual_seed(seed)
+    eos = tokenizer._special_ids.get("<|endoftext|>")
+    out = model.generate(torch.tensor(ids, device=device), max_new_tokens, temperature=temperature, top_k=top_k,
+                         top_p=top_p, eos_id=eos, generator=gen)
+    new = out[len(ids):].tolist()
+    if eos is not None and eos in new:
+        new = new[:new.index(eos)]
+    return tokenizer.decode(new)
+
+
+def load_for_generation(checkpoint_dir, device="auto", backend="auto"):
+    """``(model, tokenizer)`` from a training output directory (or a checkpoint file inside one)."""
+    path = Path(checkpoint_dir)
+    ckpt = path / CHECKPOINT_NAME if path.is_dir() else path
+    if not ckpt.exists():
+        raise TrainError(f"no checkpoint at {ckpt}")
+    dev = resolve_device(device)
+    payload = read_checkpoint(ckpt, map_location=dev)
+    mcfg = ModelConfig.from_dict(payload["model_config"])
+    model = TransformerLM.from_config(mcfg, device=dev, backend=backend)
+    model.load_state_dict(payload["model"])
+    model.eval()
+    tok_dir = payload.get("tokenizer")
+    local = ckpt.parent / "tokenizer"
+    if local.is_dir():
+        tok_dir = local
+    if not tok_dir or not Path(tok_dir).is_dir():
+        raise TrainError(f"the checkpoint names no tokenizer directory that exists ({tok_dir})")
+    return model, load_tokenizer(tok_dir)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("use the `tritonlm train` command")
