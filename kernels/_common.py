@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 
@@ -12,6 +14,26 @@ import triton
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+#: Set while the SASS report captures launches on meta tensors: launchers then pick their GPU
+#: configurations (as on an H100/H200) although no GPU is present.
+_ASSUME_GPU = contextvars.ContextVar("tritonlm_assume_gpu", default=False)
+ASSUMED_SM_COUNT = 132  # H100/H200 SXM
+
+
+@contextlib.contextmanager
+def assume_gpu_target():
+    token = _ASSUME_GPU.set(True)
+    try:
+        yield
+    finally:
+        _ASSUME_GPU.reset(token)
+
+
+def on_gpu(device: torch.device) -> bool:
+    """Whether launch heuristics should choose GPU configurations for tensors on ``device``."""
+    return device.type == "cuda" or _ASSUME_GPU.get()
 
 
 def check_device(op: str, *tensors: torch.Tensor) -> None:
@@ -80,6 +102,8 @@ def num_persistent_programs(x: torch.Tensor, n_blocks: int, per_sm: int = 4) -> 
     """Programs for a grid-stride loop: enough to fill the GPU, never more than the work."""
     if x.device.type == "cuda":
         return max(1, min(n_blocks, per_sm * sm_count(x.device.index or 0)))
+    if _ASSUME_GPU.get():
+        return max(1, min(n_blocks, per_sm * ASSUMED_SM_COUNT))
     return max(1, min(n_blocks, 4))  # interpreter: programs run one after another anyway
 
 

@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import as_4d, check_device, check_float, next_pow2, use_custom_op
+from ..profiling import kernel_range
+from ._common import as_4d, check_device, check_float, next_pow2, on_gpu, use_custom_op
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -338,7 +339,7 @@ def _block_d(d: int) -> int:
 
 
 def _fwd_config(d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
-    if device.type != "cuda":
+    if not on_gpu(device):
         return INTERPRETER_CONFIG
     block_m, block_n, warps, stages = FWD_CONFIGS[_block_d(d)]
     if dtype == torch.float32:
@@ -347,7 +348,7 @@ def _fwd_config(d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, 
 
 
 def _bwd_config(d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
-    if device.type != "cuda":
+    if not on_gpu(device):
         return INTERPRETER_CONFIG
     block_m, block_n, warps, stages = BWD_CONFIGS[_block_d(d)]
     if dtype == torch.float32:
@@ -485,7 +486,8 @@ class FlashAttention(torch.autograd.Function):
             raise ValueError(f"FlashAttention: head dim {d} > 256 is not supported")
         scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
         fwd = _fa_fwd_op if use_custom_op(q) else flash_attention_forward
-        o, lse = fwd(q, k, v, bool(is_causal), scale)
+        with kernel_range("tritonlm::flash_attention_fwd"):
+            o, lse = fwd(q, k, v, bool(is_causal), scale)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.is_causal, ctx.scale = bool(is_causal), scale
         return o
@@ -494,7 +496,8 @@ class FlashAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         bwd = _fa_bwd_op if use_custom_op(q) else flash_attention_backward
-        dq, dk, dv = bwd(do, q, k, v, o, lse, ctx.is_causal, ctx.scale)
+        with kernel_range("tritonlm::flash_attention_bwd"):
+            dq, dk, dv = bwd(do, q, k, v, o, lse, ctx.is_causal, ctx.scale)
         return dq, dk, dv, None, None
 
 

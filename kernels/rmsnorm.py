@@ -12,7 +12,7 @@ small kernel: deterministic, no float atomics.
 Launch rule (:func:`_launch_config`): a row of up to ``MAX_FUSED_COLS`` elements is held in registers
 (``ROW_IN_REGISTERS``) and small rows are packed several per program so a tile holds ~4K elements; longer
 rows are walked in ``CHUNK_COLS``-wide chunks, twice (statistics, then output), the second pass served
-from L2. ``num_warps`` grows with the tile: 4K elements over 4 warps is 32 values per thread.
+from L2. ``num_warps`` grows with the tile, one warp per 512 elements (16 values per thread per operand).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..profiling import kernel_range
 from ._common import as_rows, check_device, check_float, next_pow2, num_persistent_programs, use_custom_op
 
 MAX_FUSED_COLS = 8192   # widest row kept whole in registers (fp32: 8192 / (32 × 16 warps) = 16 per thread)
@@ -163,8 +164,9 @@ def _launch_config(n_cols: int) -> dict:
         block_m = max(1, min(16, TILE_ELEMENTS // block_n))
     else:
         block_n, block_m = CHUNK_COLS, 1
-    tile = block_m * block_n
-    num_warps = 4 if tile <= 4096 else (8 if tile <= 8192 else 16)
+    # one warp per 512 elements of the tile, 4 to 16: 16 values per thread per operand keeps the
+    # backward (x, dy and their fp32 products live at once) far from the register limit
+    num_warps = max(4, min(16, block_m * block_n // 512))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, ROW_IN_REGISTERS=n_cols <= MAX_FUSED_COLS, num_warps=num_warps)
 
 
@@ -210,7 +212,7 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     dweight = torch.empty(n_cols, dtype=weight.dtype, device=weight.device)
     block_n = min(1024, next_pow2(n_cols))
     _column_sum_kernel[(triton.cdiv(n_cols, block_n),)](dw_partial, dweight, n_programs, n_cols,
-                                                         BLOCK_P=16, BLOCK_N=block_n, num_warps=4)
+                                                         BLOCK_P=4, BLOCK_N=block_n, num_warps=4)
     return dx, dweight
 
 
@@ -246,7 +248,8 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5):
         fwd = _rms_norm_fwd_op if use_custom_op(x) else rms_norm_forward
-        y, rstd = fwd(x, weight, eps)
+        with kernel_range("tritonlm::rms_norm_fwd"):
+            y, rstd = fwd(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
@@ -254,7 +257,8 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
         bwd = _rms_norm_bwd_op if use_custom_op(x) else rms_norm_backward
-        dx, dweight = bwd(dy, x, weight, rstd)
+        with kernel_range("tritonlm::rms_norm_bwd"):
+            dx, dweight = bwd(dy, x, weight, rstd)
         return dx, dweight, None
 
 

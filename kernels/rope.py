@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..profiling import kernel_range
 from ._common import as_4d, check_device, check_float, next_pow2, use_custom_op
 
 TILE_ELEMENTS = 4096  # BLOCK_S × BLOCK_D per program
@@ -48,12 +49,17 @@ def _rope_kernel(
     cols = tl.arange(0, BLOCK_D)
     mask = s_mask[:, None] & (cols[None, :] < d_head)
 
-    # ---- positions -> cos/sin of each (position, pair); pair index of lane c is c // 2
+    # ---- positions -> cos/sin of each (position, pair): the table row of a position is contiguous,
+    # so load [BLOCK_S, BLOCK_D/2] (vectorised), then repeat each pair's value on its two lanes
     pos = tl.load(POS + b * stride_pb + h * stride_ph + s * stride_ps, mask=s_mask, other=0)
     half = d_head // 2
-    table = pos[:, None].to(tl.int64) * half + (cols // 2)[None, :]
-    cos = tl.load(COS + table, mask=mask, other=1.0)
-    sin = tl.load(SIN + table, mask=mask, other=0.0)
+    pairs = tl.arange(0, BLOCK_D // 2)
+    table = pos[:, None].to(tl.int64) * half + pairs[None, :]
+    table_mask = s_mask[:, None] & (pairs[None, :] < half)
+    cos_half = tl.load(COS + table, mask=table_mask, other=1.0)
+    sin_half = tl.load(SIN + table, mask=table_mask, other=0.0)
+    cos = tl.reshape(tl.join(cos_half, cos_half), (BLOCK_S, BLOCK_D))
+    sin = tl.reshape(tl.join(sin_half, sin_half), (BLOCK_S, BLOCK_D))
     if INVERSE:
         sin = -sin
     # each lane's partner is the other lane of its pair: x[c ^ 1]; even lanes subtract x_odd*sin,
@@ -148,10 +154,11 @@ class RoPEFunction(torch.autograd.Function):
     def forward(ctx, q, k, cos, sin, positions):
         ctx.save_for_backward(cos, sin, positions)
         ctx.has_k = k is not None
-        if use_custom_op(q):
-            q_out, k_out = _rope_op(q, k, cos, sin, positions, False)
-            return q_out, (k_out if k is not None else None)
-        return rope_forward(q, k, cos, sin, positions)
+        with kernel_range("tritonlm::rope_fwd"):
+            if use_custom_op(q):
+                q_out, k_out = _rope_op(q, k, cos, sin, positions, False)
+                return q_out, (k_out if k is not None else None)
+            return rope_forward(q, k, cos, sin, positions)
 
     @staticmethod
     def backward(ctx, dq_out, dk_out):
@@ -163,7 +170,8 @@ class RoPEFunction(torch.autograd.Function):
                 dq_out = torch.zeros_like(dk_out)
         rotate = (lambda a, b: _rope_op(a, b, cos, sin, positions, True)) if use_custom_op(dq_out) \
             else (lambda a, b: rope_forward(a, b, cos, sin, positions, inverse=True))
-        dq, dk = rotate(dq_out, dk_out if ctx.has_k else None)
+        with kernel_range("tritonlm::rope_bwd"):
+            dq, dk = rotate(dq_out, dk_out if ctx.has_k else None)
         return dq, (dk if ctx.has_k else None), None, None, None
 
 

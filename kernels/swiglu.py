@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..profiling import kernel_range
 from ._common import check_device, check_float, use_custom_op
 
 BLOCK = 1024
@@ -102,12 +103,14 @@ class SwiGLUGateFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor):
         ctx.save_for_backward(a, b)
-        return (_swiglu_fwd_op if use_custom_op(a) else swiglu_forward)(a, b)
+        with kernel_range("tritonlm::swiglu_fwd"):
+            return (_swiglu_fwd_op if use_custom_op(a) else swiglu_forward)(a, b)
 
     @staticmethod
     def backward(ctx, dh: torch.Tensor):
         a, b = ctx.saved_tensors
-        return (_swiglu_bwd_op if use_custom_op(a) else swiglu_backward)(dh, a, b)
+        with kernel_range("tritonlm::swiglu_bwd"):
+            return (_swiglu_bwd_op if use_custom_op(a) else swiglu_backward)(dh, a, b)
 
 
 def swiglu_gate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

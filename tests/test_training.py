@@ -26,7 +26,7 @@ def test_adamw_matches_torch_over_steps():
     ours, theirs = w0.clone().requires_grad_(), w0.clone().requires_grad_()
     opt1 = AdamW([ours], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     opt2 = torch.optim.AdamW([theirs], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    for step in range(20):
+    for _ in range(20):
         g = torch.randn(5, 7)
         ours.grad, theirs.grad = g.clone(), g.clone()
         opt1.step()

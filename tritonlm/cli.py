@@ -185,6 +185,44 @@ def cmd_tokenize(args) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------
+# kernels (static SASS report)
+# ----------------------------------------------------------------------------------------------------
+def cmd_kernels(args) -> int:
+    import json
+    import os
+    from pathlib import Path
+
+    if not args.report:
+        raise CLIError("nothing to do: pass --report")
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, without its warning
+    from .kernel_report import format_markdown, run_report
+
+    archs = ("sm_90", "sm_80") if args.arch == "all" else (args.arch,)
+    rows = run_report(archs, quick=args.quick, progress=not args.json)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in rows], indent=1))
+    else:
+        hdr = ["kernel", "case", "arch", "config", "regs", "smem", "spill", "SASS (tensor-core, LDG/STG by bits, async)",
+               "roofline µs H100/H200"]
+        table = []
+        for r in rows:
+            if r.error:
+                table.append([r.kernel, r.case, r.arch, r.config, "-", "-", "-", "COMPILE ERROR " + r.error, "-"])
+                continue
+            sass = " ".join(f"{k}:{v}" for k, v in r.sass.items() if k not in ("LDS", "STS"))
+            table.append([r.kernel, r.case, r.arch, r.config, str(r.registers), str(r.shared_bytes),
+                          str(r.spill_bytes), sass, f"{r.roofline_us['H100']}/{r.roofline_us['H200']}"])
+        print("static analysis of compiled kernels (not measured speed)")
+        print(_table(table, hdr))
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(format_markdown(rows))
+        print(f"wrote {args.markdown}", file=sys.stderr)
+    bad = [r for r in rows if r.error]
+    return 1 if bad else 0
+
+
+# ----------------------------------------------------------------------------------------------------
 # entry point
 # ----------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
@@ -269,6 +307,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     p.add_argument("--stats", action="store_true", help="compare compression ratios (bytes/token)")
     p.set_defaults(func=cmd_tokenize)
+
+    p = sub.add_parser("kernels", help="compile every kernel for sm_90/sm_80 and report its SASS (no GPU needed)",
+                       description="Static analysis: compile each Triton kernel at its launcher's configuration "
+                                   "for representative shapes, for H100/H200 (sm_90) and A100 (sm_80), and print "
+                                   "registers, shared memory, spills, SASS counts and the roofline time.")
+    p.add_argument("--report", action="store_true", help="build the report")
+    p.add_argument("--arch", default="all", choices=["sm_90", "sm_80", "all"])
+    p.add_argument("--quick", action="store_true", help="bf16 only, hidden 4096, attention d 64/128")
+    p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    p.add_argument("--markdown", help="also write the report as Markdown to this path")
+    p.set_defaults(func=cmd_kernels)
     return parser
 
 

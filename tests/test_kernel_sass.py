@@ -1,0 +1,73 @@
+"""Every kernel compiles for sm_90 and sm_80 at its launcher's configuration, and its SASS has the shape
+of a fast kernel: no spills on sm_90, 128-bit (never scalar 16-bit) global loads for the contiguous
+elementwise ops, tensor-core MMAs in attention. Static analysis with the real Triton compiler; no GPU.
+
+The report runs in a subprocess without ``TRITON_INTERPRET`` (the test session's interpreter replaces
+compiled kernels), once per session (``--quick``: bf16, the default configurations).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def rows():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    out = subprocess.run([sys.executable, "-m", "tritonlm.cli", "kernels", "--report", "--quick", "--json"],
+                         capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+    assert out.stdout.strip(), out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+def _by(rows, arch, prefix=""):
+    return [r for r in rows if r["arch"] == arch and r["kernel"].startswith(prefix)]
+
+
+def test_every_kernel_is_covered(rows):
+    kernels = {r["kernel"] for r in rows}
+    assert kernels == {"rmsnorm.fwd", "rmsnorm.bwd", "rmsnorm.dw_reduce", "swiglu.fwd", "swiglu.bwd", "rope.fwd",
+                       "attention.fwd", "attention.bwd_preprocess", "attention.bwd_dkdv", "attention.bwd_dq"}
+    assert {r["arch"] for r in rows} == {"sm_90", "sm_80"}
+
+
+def test_compiles_for_both_targets(rows):
+    failed = [(r["kernel"], r["case"], r["arch"], r["error"]) for r in rows if r["error"]]
+    assert not failed
+    assert all(r["registers"] > 0 for r in rows)
+
+
+def test_no_spills_on_sm90(rows):
+    spilling = [(r["kernel"], r["case"], r["spill_bytes"], r["sass"]) for r in _by(rows, "sm_90")
+                if r["spill_bytes"] or r["sass"].get("LDL") or r["sass"].get("STL")]
+    assert not spilling
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_elementwise_loads_are_vectorised(rows, arch):
+    for r in rows:
+        if r["arch"] != arch or r["kernel"].startswith("attention"):
+            continue
+        assert not r["sass"].get("LDG.16") and not r["sass"].get("LDG.8"), r
+        assert r["sass"].get("LDG.128", 0) > 0, r
+
+
+def test_attention_uses_tensor_cores(rows):
+    for r in rows:
+        if r["kernel"] in ("attention.fwd", "attention.bwd_dkdv", "attention.bwd_dq"):
+            key = "HGMMA" if r["arch"] == "sm_90" else "HMMA"
+            assert r["sass"].get(key, 0) > 0, r
+
+
+def test_rows_carry_roofline_estimates(rows):
+    for r in rows:
+        assert r["bytes_moved"] > 0 and r["roofline_us"]["H200"] <= r["roofline_us"]["H100"]
+        if r["kernel"] in ("attention.fwd", "attention.bwd_dkdv", "attention.bwd_dq"):
+            assert r["flops"] > 0

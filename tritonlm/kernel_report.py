@@ -1,0 +1,324 @@
+"""Static analysis of the Triton kernels: compile each for sm_90 / sm_80 without a GPU and read its SASS.
+
+For every kernel at the configuration its launcher picks for a representative shape, the launch is
+*captured* (the real launcher runs on meta tensors with GPU heuristics, and the kernel call is recorded
+instead of executed), specialised the way Triton's JIT would specialise those arguments (16-byte
+divisibility of pointers and of integers that are multiples of 16, integers equal to 1 as constants),
+compiled with ``triton.compile`` for the target, and the cubin is read with the ``cuobjdump`` that ships
+inside the Triton wheel: registers, shared memory, local memory (spills), and SASS instruction counts
+(tensor-core ops, global load/store widths, async copies, local loads/stores).
+
+Each row also carries the compulsory traffic and FLOPs of the launch and the roofline time on H100/H200.
+This is static analysis, not measured speed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+import subprocess
+import tempfile
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+#: Peak figures the roofline uses: (HBM bytes/s, dense bf16 FLOP/s).
+ROOFLINE = {"H100": (3.35e12, 989e12), "H200": (4.8e12, 989e12)}
+ARCHS = {"sm_90": 90, "sm_80": 80}
+
+
+@dataclass
+class Launch:
+    kernel: str
+    case: str
+    fn: object
+    args: tuple
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+    bytes_moved: int = 0
+    flops: int = 0
+
+
+@dataclass
+class Row:
+    kernel: str
+    case: str
+    arch: str
+    config: str
+    registers: int
+    shared_bytes: int
+    spill_bytes: int
+    sass: dict = field(default_factory=dict)
+    bytes_moved: int = 0
+    flops: int = 0
+    roofline_us: dict = field(default_factory=dict)
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ----------------------------------------------------------------------------------------------------
+# capturing launches
+# ----------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _capture():
+    """Record ``kernel[grid](...)`` calls instead of running them."""
+    from triton.runtime.jit import JITFunction
+
+    calls = []
+    original = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        calls.append((self, args, kwargs))
+        return None
+
+    JITFunction.run = run
+    try:
+        yield calls
+    finally:
+        JITFunction.run = original
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def capture(thunk) -> list[tuple]:
+    """Run ``thunk`` (which calls launchers on meta tensors) and return the captured kernel calls."""
+    from .kernels._common import INTERPRETING, assume_gpu_target
+
+    if INTERPRETING:
+        raise RuntimeError("the SASS report compiles kernels for real GPUs; run it without TRITON_INTERPRET=1 "
+                           "(the interpreter replaces the compiled kernels)")
+    with assume_gpu_target(), _capture() as calls:
+        thunk()
+    return calls
+
+
+def _to_launch(kernel_label: str, case: str, call, flops: int = 0) -> Launch:
+    fn, args, kwargs = call
+    kwargs = dict(kwargs)
+    warps = kwargs.pop("num_warps", 4)
+    stages = kwargs.pop("num_stages", 3)
+    moved = sum(_nbytes(a) for a in args if isinstance(a, torch.Tensor))
+    return Launch(kernel_label, case, fn, tuple(args), kwargs, warps, stages, moved, flops)
+
+
+def representative_launches(quick: bool = False) -> list[Launch]:
+    """Every kernel at its launcher's configuration for representative shapes.
+
+    Elementwise ops: 4096 rows × hidden 768 / 4096 / 8192 (``quick``: 4096 only), bf16 and fp32
+    (``quick``: bf16). Attention: batch 1 × 16 heads × seq 4096, d 64 / 128, causal, forward and each
+    backward kernel (``quick``: bf16 only).
+    """
+    import importlib
+
+    from .kernels import rmsnorm, rope, swiglu
+
+    # (the package re-exports a *function* named flash_attention, so import the module by path)
+    fa = importlib.import_module("tritonlm.kernels.flash_attention")
+
+    meta = torch.device("meta")
+    hiddens = [4096] if quick else [768, 4096, 8192]
+    dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float32]
+    out: list[Launch] = []
+    rows = 4096
+    for dtype in dtypes:
+        dname = str(dtype).replace("torch.", "")
+        for hidden in hiddens:
+            case = f"{rows}x{hidden} {dname}"
+            x = torch.empty(rows, hidden, dtype=dtype, device=meta)
+            w = torch.empty(hidden, dtype=dtype, device=meta)
+            rstd = torch.empty(rows, dtype=torch.float32, device=meta)
+            calls = capture(lambda x=x, w=w: rmsnorm.rms_norm_forward(x, w, 1e-5))
+            out.append(_to_launch("rmsnorm.fwd", case, calls[0]))
+            calls = capture(lambda x=x, w=w, rstd=rstd: rmsnorm.rms_norm_backward(x, x, w, rstd))
+            out.append(_to_launch("rmsnorm.bwd", case, calls[0]))
+            out.append(_to_launch("rmsnorm.dw_reduce", case, calls[1]))
+            calls = capture(lambda x=x: swiglu.swiglu_forward(x, x))
+            out.append(_to_launch("swiglu.fwd", case, calls[0]))
+            calls = capture(lambda x=x: swiglu.swiglu_backward(x, x, x))
+            out.append(_to_launch("swiglu.bwd", case, calls[0]))
+        # RoPE on the [batch, heads, seq, d] view of a [batch, seq, heads*d] projection: q and k together
+        for d in ([128] if quick else [64, 128]):
+            heads, seq = 4096 // d, 4096
+            case = f"q,k 1x{seq}x{heads}x{d} {dname}"
+            q = torch.empty(1, seq, heads * d, dtype=dtype, device=meta).unflatten(-1, (heads, d)).transpose(1, 2)
+            cos = torch.empty(seq, d // 2, dtype=torch.float32, device=meta)
+            pos = torch.empty(seq, dtype=torch.int64, device=meta)
+            calls = capture(lambda q=q, cos=cos, pos=pos: rope.rope_forward(q, q, cos, cos, pos))
+            launch = _to_launch("rope.fwd", case, calls[0])
+            launch.bytes_moved = 4 * _nbytes(q) + 2 * _nbytes(cos) + _nbytes(pos)
+            out.append(launch)
+    # attention: bf16 (fp32 too in the full report), causal, batch 1 x 16 heads x 4096
+    for dtype in dtypes:
+        dname = str(dtype).replace("torch.", "")
+        for d in ([64, 128]):
+            if quick and dtype != torch.bfloat16:
+                continue
+            b, h, n = 1, 16, 4096
+            case = f"1x{h}x{n}x{d} causal {dname}"
+            q = torch.empty(b, h, n, d, dtype=dtype, device=meta)
+            lse = torch.empty(b, h, n, dtype=torch.float32, device=meta)
+            causal_pairs = n * (n + 1) // 2
+            calls = capture(lambda q=q: fa.flash_attention_forward(q, q, q, True, 0.1))
+            out.append(_to_launch("attention.fwd", case, calls[0], flops=4 * b * h * causal_pairs * d))
+            calls = capture(lambda q=q, lse=lse: fa.flash_attention_backward(q, q, q, q, q, lse, True, 0.1))
+            out.append(_to_launch("attention.bwd_preprocess", case, calls[0]))
+            out.append(_to_launch("attention.bwd_dkdv", case, calls[1], flops=8 * b * h * causal_pairs * d))
+            out.append(_to_launch("attention.bwd_dq", case, calls[2], flops=6 * b * h * causal_pairs * d))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# compiling and reading SASS
+# ----------------------------------------------------------------------------------------------------
+def _tool(name: str) -> str:
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{name} not found in the Triton wheel ({path})")
+    return path
+
+
+def _specialise(launch: Launch):
+    """(signature, constexprs, attrs) as Triton's JIT would build them for these arguments."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    params = launch.fn.params
+    signature, constexprs, attrs = {}, {}, {}
+    args = list(launch.args)
+    for i, p in enumerate(params):
+        name = p.name
+        if p.is_constexpr:
+            signature[name] = "constexpr"
+            constexprs[name] = launch.constexprs[name] if name in launch.constexprs else args[i]
+            continue
+        value = args[i] if i < len(args) else launch.constexprs[name]
+        ty, spec = native_specialize_impl(BaseBackend, value, False, True, True)
+        if ty == "constexpr":
+            signature[name] = "constexpr"
+            constexprs[name] = value
+            continue
+        signature[name] = ty
+        if spec == "D":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
+
+
+_LOAD_WIDTH = re.compile(r"^(LDG|STG)(?:\.E)?(?:\.(?:EL|EF|LU|NA|STRONG\.\w+|CONSTANT|SYS|GPU|BYPASS))*"
+                         r"(?:\.(128|64|U16|S16|U8|S8))?")
+
+
+def _sass_counts(sass: str) -> dict:
+    ops = re.findall(r"^\s+/\*[0-9a-f]{4,5}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]+)", sass, re.M)
+    counts: Counter = Counter()
+    for op in ops:
+        base = op.split(".")[0]
+        if base in ("HGMMA", "HMMA", "LDGSTS", "UTMALDG", "UBLKCP", "LDL", "STL", "LDS", "STS"):
+            counts[base] += 1
+        elif base in ("LDG", "STG"):
+            parts = op.split(".")
+            width = "32"
+            for tag in parts[1:]:
+                if tag in ("128", "64"):
+                    width = tag
+                elif tag in ("U16", "S16"):
+                    width = "16"
+                elif tag in ("U8", "S8"):
+                    width = "8"
+            counts[f"{base}.{width}"] += 1
+    return dict(sorted(counts.items()))
+
+
+@functools.cache
+def _compile_cached(fn, sig_items, const_items, attr_items, arch: int, num_warps: int, num_stages: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    src = ASTSource(fn=fn, signature=dict(sig_items), constexprs=dict(const_items),
+                    attrs={k: [list(x) for x in v] for k, v in attr_items})
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    cubin = compiled.asm["cubin"]
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+        path = f.name
+    try:
+        usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", path], capture_output=True,
+                               text=True, check=True).stdout
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True,
+                              check=True).stdout
+    finally:
+        os.unlink(path)
+    return usage, sass
+
+
+def analyze(launch: Launch, arch: str) -> Row:
+    """Compile one captured launch for ``arch`` (``sm_90``/``sm_80``) and summarise its cubin."""
+    cfg = ", ".join(f"{k}={v}" for k, v in launch.constexprs.items() if k.isupper())
+    cfg = f"{cfg}, warps={launch.num_warps}, stages={launch.num_stages}"
+    roof = {gpu: round(max(launch.bytes_moved / bw, launch.flops / peak) * 1e6, 2)
+            for gpu, (bw, peak) in ROOFLINE.items()}
+    row = Row(launch.kernel, launch.case, arch, cfg, 0, 0, 0, bytes_moved=launch.bytes_moved,
+              flops=launch.flops, roofline_us=roof)
+    sig, const, attrs = _specialise(launch)
+    fn = launch.fn.fn if hasattr(launch.fn, "fn") and not hasattr(launch.fn, "params") else launch.fn
+    try:
+        usage, sass = _compile_cached(fn, tuple(sig.items()), tuple(const.items()),
+                                      tuple((k, tuple(tuple(x) for x in v)) for k, v in attrs.items()),
+                                      ARCHS[arch], launch.num_warps, launch.num_stages)
+    except Exception as e:  # a kernel that does not compile is a row with its error, and a failed test
+        row.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        return row
+    m = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)", usage)
+    if m:
+        row.registers, row.shared_bytes, row.spill_bytes = int(m.group(1)), int(m.group(3)), int(m.group(4))
+    row.sass = _sass_counts(sass)
+    return row
+
+
+def run_report(archs=("sm_90", "sm_80"), quick: bool = False, progress: bool = False) -> list[Row]:
+    from tqdm.auto import tqdm
+
+    launches = representative_launches(quick)
+    jobs = [(launch, arch) for launch in launches for arch in archs]
+    return [analyze(launch, arch) for launch, arch in tqdm(jobs, desc="compile", disable=not progress)]
+
+
+def format_markdown(rows: list[Row], title: str = "Kernel SASS report") -> str:
+    import triton
+
+    lines = [f"# {title}", "",
+             "Static analysis, not measured speed: each kernel compiled with `triton.compile` for the target at "
+             "the configuration its launcher picks, specialised like the JIT (16-byte divisibility), and its "
+             "cubin read with `cuobjdump`. Regenerate with `tritonlm kernels --report --markdown "
+             "profiles/sass/REPORT.md`.", "",
+             f"Triton {triton.__version__}, torch {torch.__version__}. Roofline: compulsory HBM bytes / bandwidth "
+             "or FLOPs / 989 TFLOP/s, whichever is larger (H100 3.35 TB/s, H200 4.8 TB/s); attention FLOPs count "
+             "the causal half.", "",
+             "| kernel | case | arch | config | regs | smem | spill | tensor-core | global loads | global stores "
+             "| async copies | roofline H100 / H200 (µs) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.error:
+            lines.append(f"| {r.kernel} | {r.case} | {r.arch} | {r.config} | **compile error**: {r.error} "
+                         "| | | | | | | |")
+            continue
+        tc = ", ".join(f"{k} {v}" for k, v in r.sass.items() if k in ("HGMMA", "HMMA")) or "-"
+        ld = ", ".join(f"{k.split('.')[1]}b×{v}" for k, v in r.sass.items() if k.startswith("LDG.")) or "-"
+        st = ", ".join(f"{k.split('.')[1]}b×{v}" for k, v in r.sass.items() if k.startswith("STG.")) or "-"
+        asy = ", ".join(f"{k} {v}" for k, v in r.sass.items() if k in ("LDGSTS", "UTMALDG", "UBLKCP")) or "-"
+        spill = f"{r.spill_bytes} B" + (f" (LDL {r.sass.get('LDL', 0)}, STL {r.sass.get('STL', 0)})"
+                                       if r.spill_bytes else "")
+        lines.append(f"| {r.kernel} | {r.case} | {r.arch} | {r.config} | {r.registers} | {r.shared_bytes} | "
+                     f"{spill} | {tc} | {ld} | {st} | {asy} | {r.roofline_us['H100']} / {r.roofline_us['H200']} |")
+    return "\n".join(lines) + "\n"
