@@ -19,6 +19,7 @@ import json
 import os
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from itertools import chain, repeat
 from pathlib import Path
 
 import regex
@@ -29,6 +30,9 @@ _PRETOKEN = regex.compile(GPT2_PATTERN)
 #: A newline between two non-space characters: cutting the text right after it cannot change how the
 #: regex splits either side (no whitespace run or optional leading space crosses it).
 _SAFE_NEWLINE = regex.compile(r"(?<=\S)\n(?=\S)")
+
+#: Rank entry of a pair with no merge: sorts after every real (rank, merged id).
+_NO_MERGE = (1 << 62, -1)
 
 Vocab = dict[int, bytes]
 Merges = list[tuple[bytes, bytes]]
@@ -274,6 +278,22 @@ def _from_unicode(text: str) -> bytes:
 # ----------------------------------------------------------------------------------------------------
 # encoder
 # ----------------------------------------------------------------------------------------------------
+class _PieceCache(dict):
+    """pre-token -> token ids; a miss runs BPE. Bounded so pathological inputs cannot grow it forever."""
+
+    MAX_ENTRIES = 1_000_000
+
+    def __init__(self, bpe):
+        super().__init__()
+        self._bpe = bpe
+
+    def __missing__(self, piece: str) -> tuple[int, ...]:
+        ids = self._bpe(piece)
+        if len(self) < self.MAX_ENTRIES:
+            self[piece] = ids
+        return ids
+
+
 class Tokenizer:
     """Byte-level BPE encoder/decoder over a ``vocab`` (id -> bytes) and ranked ``merges``."""
 
@@ -305,7 +325,7 @@ class Tokenizer:
             self._ranks.setdefault(key, (rank, merged))
         self._special_ids = {t: self._id_of[t.encode("utf-8")] for t in self.special_tokens}
         self._splitter = _special_splitter(self.special_tokens)
-        self._cache: dict[str, tuple[int, ...]] = {}
+        self._cache = _PieceCache(self._bpe)
 
     # -- construction from / to files ------------------------------------------------------------
     @classmethod
@@ -339,38 +359,34 @@ class Tokenizer:
 
     # -- encoding ----------------------------------------------------------------------------------
     def _bpe(self, piece: str) -> tuple[int, ...]:
-        ids = [self._byte_ids[b] for b in piece.encode("utf-8")]
-        ranks = self._ranks
-        while len(ids) > 1:
-            best, best_i = None, -1
-            for i in range(len(ids) - 1):
-                r = ranks.get((ids[i], ids[i + 1]))
-                if r is not None and (best is None or r[0] < best[0]):
-                    best, best_i = r, i
-            if best is None:
+        """Merge one pre-token by rank: repeatedly the lowest-rank adjacent pair, leftmost first.
+
+        Merging occurrences one at a time (leftmost first) equals GPT-2's "all occurrences of the best pair
+        per pass": pairs created by a merge always rank after it, so the next-best pair is the same pair
+        until its occurrences are used up. Only the two neighbouring pair ranks change per merge.
+        """
+        ids = list(map(self._byte_ids.__getitem__, piece.encode("utf-8")))
+        if len(ids) < 2:
+            return tuple(ids)
+        ranks, none = self._ranks, _NO_MERGE
+        pair_ranks = list(map(ranks.get, zip(ids, ids[1:]), repeat(none)))
+        while pair_ranks:
+            best = min(pair_ranks)
+            if best is none:
                 break
-            left, right = ids[best_i], ids[best_i + 1]
-            merged, i = [], 0
-            while i < len(ids):
-                if i + 1 < len(ids) and ids[i] == left and ids[i + 1] == right:
-                    merged.append(best[1])
-                    i += 2
-                else:
-                    merged.append(ids[i])
-                    i += 1
-            ids = merged
+            i = pair_ranks.index(best)
+            ids[i] = best[1]
+            del ids[i + 1]
+            del pair_ranks[i]
+            if i < len(pair_ranks):
+                pair_ranks[i] = ranks.get((ids[i], ids[i + 1]), none)
+            if i > 0:
+                pair_ranks[i - 1] = ranks.get((ids[i - 1], ids[i]), none)
         return tuple(ids)
 
     def _encode_ordinary(self, text: str, out: list[int]) -> None:
-        cache = self._cache
-        get, extend = cache.get, out.extend
-        for piece in _PRETOKEN.findall(text):
-            ids = get(piece)
-            if ids is None:
-                ids = self._bpe(piece)
-                if len(cache) < 1_000_000:  # bounded: pathological inputs cannot grow it forever
-                    cache[piece] = ids
-            extend(ids)
+        # the lookups run in C (map over the cache's __getitem__); only unseen pre-tokens reach Python
+        out.extend(chain.from_iterable(map(self._cache.__getitem__, _PRETOKEN.findall(text))))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (special tokens become their single ids)."""
@@ -429,8 +445,7 @@ class Tokenizer:
                 yield from self.encode(buf[:seg_start])
             cut = seg_start
             for piece in pieces:
-                ids = self._cache.get(piece)
-                yield from ids if ids is not None else self._bpe(piece)
+                yield from self._cache[piece]
                 cut += len(piece)
             buf = buf[cut:]
         if buf:
