@@ -4,10 +4,11 @@ flash kernel alone. Out-of-memory cases are reported as skips that say so."""
 
 import pytest
 import torch
-from benchutil import DEVICE, MACHINE, ON_GPU, peak_bytes, run
 
 from tritonlm.kernels import flash_attention
 from tritonlm.modules import functional as F
+
+from benchutil import DEVICE, MACHINE, ON_GPU, peak_bytes, run
 
 DTYPE = torch.bfloat16 if ON_GPU else torch.float32
 DIMS = [16, 32, 64, 128] if ON_GPU else [16]

@@ -11,11 +11,12 @@ TFLOP/s and % of the measured matmul peak (attention), and peak memory.
 import pytest
 import torch
 import torch.nn.functional as TF
-from benchutil import DEVICE, MACHINE, ON_GPU, compiled, liger, peak_bytes, run
 
 from tritonlm.kernels import apply_rope, flash_attention, rms_norm, swiglu_gate
 from tritonlm.modules import functional as F
 from tritonlm.modules import reference
+
+from benchutil import DEVICE, MACHINE, ON_GPU, compiled, liger, peak_bytes, run
 
 DTYPE = torch.bfloat16 if ON_GPU else torch.float32
 ROWS_HIDDEN = [(4096, 768), (16384, 4096), (65536, 8192)] if ON_GPU else [(64, 256)]

@@ -4,10 +4,11 @@ peak memory in extra_info."""
 
 import pytest
 import torch
-from benchutil import DEVICE, ON_GPU, ROUNDS, peak_bytes
 
 from tritonlm import ModelConfig, accounting
 from tritonlm.benchmarking import make_train_step
+
+from benchutil import DEVICE, ON_GPU, ROUNDS, peak_bytes
 
 if ON_GPU:
     CASES = [("small", 512, 8), ("medium", 512, 8), ("small", 2048, 2)]

@@ -2,11 +2,18 @@
 
 ``TRITON_INTERPRET`` must be set before Triton is imported anywhere, which is why it is set here, at
 import time of the first conftest, before any test module imports tritonlm.
+
+``TRITONLM_TEST_DEVICE=cuda`` reruns the kernel tests on a GPU instead (the one-shot GPU suite does):
+no interpreter, tensors created on CUDA by default, and fp32 attention compared at TF32 tolerance
+(an fp32 ``tl.dot`` runs on TF32 tensor cores).
 """
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+DEVICE = os.environ.get("TRITONLM_TEST_DEVICE", "cpu")
+ON_CUDA = DEVICE.startswith("cuda")
+if not ON_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
 
 from pathlib import Path  # noqa: E402
 
@@ -17,6 +24,12 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+if ON_CUDA:
+    torch.set_default_device(DEVICE)
+
+#: fp32 tolerance for results that go through attention's tl.dot (TF32 on GPUs, exact in the interpreter)
+FP32_ATTENTION_TOL = 5e-3 if ON_CUDA else 1e-4
+cpu_only = pytest.mark.skipif(ON_CUDA, reason="checks CPU/interpreter behaviour")
 
 
 @pytest.fixture(autouse=True)

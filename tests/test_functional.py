@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as TF
+
 from tritonlm.modules import functional as F
 
 

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as TF
-from tritonlm.modules import reference as R
 
 from tritonlm import ModelConfig, TransformerLM, accounting
+from tritonlm.modules import reference as R
 
 X = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
 

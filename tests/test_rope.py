@@ -4,10 +4,12 @@ import math
 
 import pytest
 import torch
-from conftest import tolerance
 from einops import rearrange
+
 from tritonlm.kernels import apply_rope
 from tritonlm.modules import fused, reference
+
+from conftest import tolerance
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -3,9 +3,11 @@
 import pytest
 import torch
 import torch.nn.functional as TF
-from conftest import tolerance
+
 from tritonlm.kernels import swiglu_gate
 from tritonlm.modules import fused, reference
+
+from conftest import tolerance
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

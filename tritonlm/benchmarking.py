@@ -117,6 +117,7 @@ def make_train_step(cfg: ModelConfig, impl: str, batch: int, seq: int, device: t
         opt.zero_grad(set_to_none=True)
         return loss
 
+    step.model = model  # for profilers that label modules
     return step
 
 

@@ -185,6 +185,102 @@ def cmd_tokenize(args) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------
+# bench (end-to-end training step)
+# ----------------------------------------------------------------------------------------------------
+def cmd_bench(args) -> int:
+    import dataclasses
+    import json
+    import os
+
+    import torch
+
+    on_gpu = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
+    if not on_gpu:
+        # the fused path runs through Triton's interpreter on CPU; it must be set before Triton loads
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from .benchmarking import IMPLEMENTATIONS, benchmark_train_steps
+    from .config import ModelConfig
+
+    device = torch.device("cuda" if on_gpu and args.device == "auto" else ("cpu" if args.device == "auto" else args.device))
+    preset = args.preset or ("small" if on_gpu else "tiny")
+    seqs = args.seq_lens or ([256, 512, 1024, 2048, 4096] if on_gpu else [32, 64])
+    batch = args.batch or (8 if on_gpu else 1)
+    impls = args.impls or (["reference", "fused", "compiled-reference"] if on_gpu else ["reference", "fused"])
+    bad = [i for i in impls if i not in IMPLEMENTATIONS]
+    if bad:
+        raise CLIError(f"unknown implementation {bad[0]!r}; choose from {', '.join(IMPLEMENTATIONS)}")
+    try:
+        cfg = ModelConfig.preset(preset)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    if not on_gpu:
+        cfg = cfg.replace(num_layers=min(cfg.num_layers, 2))
+    if not args.json:
+        where = torch.cuda.get_device_name(device) if on_gpu else (
+            "CPU -- the fused path runs under the Triton interpreter: these are NOT GPU figures")
+        print(f"training step (forward, loss, backward, AdamW), preset {preset}"
+              f"{' (2 layers on CPU)' if not on_gpu else ''}, batch {batch}, on {where}")
+    rows = benchmark_train_steps(preset, seqs, batch, impls, device, warmup=args.warmup, rounds=args.rounds, cfg=cfg,
+                                 progress=None if args.json else (lambda m: print(f"  measuring {m} ...", file=sys.stderr)))
+    base = {(r.seq): r.mean_s for r in rows if r.impl == "reference" and r.mean_s}
+    out = []
+    for r in rows:
+        d = dataclasses.asdict(r)
+        d["speedup_vs_reference"] = (base[r.seq] / r.mean_s) if r.mean_s and r.seq in base else None
+        out.append(d)
+    if args.json:
+        print(json.dumps({"device": str(device), "gpu_figures": on_gpu, "rows": out}, indent=1))
+    else:
+        table = []
+        for d in out:
+            if d["error"]:
+                table.append([str(d["seq"]), d["impl"], d["error"], "-", "-", "-", "-"])
+                continue
+            table.append([str(d["seq"]), d["impl"], f"{1e3 * d['mean_s']:.2f} ± {1e3 * d['std_s']:.2f}",
+                          f"{d['tokens_per_s']:,.0f}",
+                          f"{d['speedup_vs_reference']:.2f}x" if d["speedup_vs_reference"] else "-",
+                          f"{100 * d['mfu']:.1f}%" if d["mfu"] is not None else "-",
+                          _fmt_bytes(d["peak_bytes"]) if d["peak_bytes"] is not None else "-"])
+        print(_table(table, ["seq", "impl", "ms/step", "tokens/s", "vs reference", "MFU", "peak memory"]))
+    if args.plot:
+        path = _plot_bench(out, args.plot, preset, on_gpu)
+        print(f"plot: {path}" if path else "plot skipped: pip install 'tritonlm[plot]'", file=sys.stderr)
+    return 0
+
+
+def _plot_bench(rows, path, preset, on_gpu):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    impls = sorted({r["impl"] for r in rows})
+    has_mfu = any(r["mfu"] for r in rows)
+    fig, axes = plt.subplots(1, 2 if has_mfu else 1, figsize=(11 if has_mfu else 6, 4), squeeze=False)
+    for impl in impls:
+        pts = [(r["seq"], r["speedup_vs_reference"]) for r in rows if r["impl"] == impl and r["speedup_vs_reference"]]
+        if pts:
+            axes[0][0].plot(*zip(*pts), "o-", label=impl)
+        if has_mfu:
+            pts = [(r["seq"], 100 * r["mfu"]) for r in rows if r["impl"] == impl and r["mfu"]]
+            if pts:
+                axes[0][1].plot(*zip(*pts), "o-", label=impl)
+    axes[0][0].set(xlabel="sequence length", ylabel="speed-up vs reference eager", xscale="log",
+                   title=f"training step, {preset}" + ("" if on_gpu else " (CPU, not GPU figures)"))
+    axes[0][0].axhline(1.0, color="gray", ls="--")
+    axes[0][0].legend()
+    if has_mfu:
+        axes[0][1].set(xlabel="sequence length", ylabel="MFU (%)", xscale="log", title="model FLOP utilisation")
+        axes[0][1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------
 # kernels (static SASS report)
 # ----------------------------------------------------------------------------------------------------
 def cmd_kernels(args) -> int:
@@ -307,6 +403,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     p.add_argument("--stats", action="store_true", help="compare compression ratios (bytes/token)")
     p.set_defaults(func=cmd_tokenize)
+
+    p = sub.add_parser("bench", help="end-to-end training-step comparison: table, plot, --json",
+                       description="Time a whole training step (forward, loss, backward, AdamW) of reference, fused "
+                                   "and compiled models side by side across sequence lengths; report tokens/s, "
+                                   "speed-up, MFU (GPU) and peak memory. On CPU: a small labelled smoke run.")
+    p.add_argument("--preset", default=None, help="model preset (default: small on GPU, tiny on CPU)")
+    p.add_argument("--seq-lens", type=int, nargs="+", default=None)
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--impls", nargs="+", default=None,
+                   help="reference fused compiled-reference compiled-fused (default: the first three on GPU)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--plot", help="write a PNG: speed-up (and MFU) vs sequence length")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("kernels", help="compile every kernel for sm_90/sm_80 and report its SASS (no GPU needed)",
                        description="Static analysis: compile each Triton kernel at its launcher's configuration "

@@ -1,0 +1,150 @@
+"""The one-shot GPU suite: one command, under 8 minutes on one H100/H200, writes report.md + report.json
+(+ plots) into the directory given.
+
+    bash bench/gpu_suite.sh OUTDIR            # or: python bench/gpu_suite.py OUTDIR
+    python bench/gpu_suite.py OUTDIR --smoke  # the same code paths on CPU, tiny shapes (not GPU figures)
+
+Sections: environment; measured copy bandwidth and bf16 matmul peak; the kernel tests rerun on CUDA; op
+benchmarks (RMSNorm, RoPE, SwiGLU gate; forward and backward) against the reference, torch.compile of it,
+PyTorch built-ins and Liger-Kernel when installed; the causal attention subset against SDPA's flash backend;
+the training step for two presets (reference, fused, compiled); MFU; the activation-memory table; and a
+verdict row per §Performance target. Every ratio is measured in this one process, side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", help="output directory for report.md, report.json and plots")
+    ap.add_argument("--smoke", action="store_true", help="CPU smoke run: tiny shapes, interpreter, no compile")
+    ap.add_argument("--budget-s", type=float, default=450.0, help="stop starting new sections after this")
+    ap.add_argument("--skip-tests", action="store_true", help="skip the CUDA rerun of the kernel tests")
+    args = ap.parse_args()
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+    import torch
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    on_gpu = torch.cuda.is_available() and not args.smoke
+    if not on_gpu and not args.smoke:
+        print("gpu_suite: no CUDA device; use --smoke for the CPU code-path check", file=sys.stderr)
+        return 2
+    device = torch.device("cuda" if on_gpu else "cpu")
+    report: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "smoke": args.smoke, "sections": {}}
+
+    def left() -> float:
+        return args.budget_s - (time.perf_counter() - t_start)
+
+    def section(name, fn, min_left=20.0):
+        if left() < min_left:
+            report["sections"][name] = {"skipped": f"time budget ({args.budget_s:.0f} s) used up"}
+            print(f"[suite] {name}: skipped (time budget)", flush=True)
+            return
+        t0 = time.perf_counter()
+        print(f"[suite] {name} ...", flush=True)
+        try:
+            report["sections"][name] = fn()
+        except Exception as e:  # a broken section is reported, the rest still runs
+            import traceback
+
+            report["sections"][name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+        report["sections"].setdefault(name, {})
+        if isinstance(report["sections"][name], dict):
+            report["sections"][name]["seconds"] = round(time.perf_counter() - t0, 1)
+        print(f"[suite] {name}: {time.perf_counter() - t0:.1f}s", flush=True)
+
+    # ---------------------------------------------------------------------------------------- environment
+    import triton
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+           "platform": platform.platform(), "device": torch.cuda.get_device_name() if on_gpu else "cpu (smoke)"}
+    if on_gpu:
+        props = torch.cuda.get_device_properties(0)
+        env.update({"sms": props.multi_processor_count, "memory_GiB": round(props.total_memory / 2**30, 1),
+                    "capability": f"{props.major}.{props.minor}", "cuda": torch.version.cuda})
+        try:
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=30).stdout.strip()
+        except Exception:
+            env["driver"] = "unknown"
+    report["environment"] = env
+
+    from tritonlm.benchmarking import measure_copy_bandwidth, measure_matmul_peak
+
+    copy_bw = measure_copy_bandwidth(device)
+    mm_peak = measure_matmul_peak(device)
+    report["ceilings"] = {"copy_GBps": copy_bw / 1e9, "matmul_TFLOPs": mm_peak / 1e12,
+                          "matmul_dtype": "bf16" if on_gpu else "fp32"}
+
+    # ---------------------------------------------------------------------------------------- kernel tests
+    def kernel_tests():
+        env_vars = {**os.environ, "TRITONLM_TEST_DEVICE": "cuda" if on_gpu else "cpu"}
+        if on_gpu:
+            env_vars.pop("TRITON_INTERPRET", None)
+        files = ["tests/test_rmsnorm.py", "tests/test_rope.py", "tests/test_swiglu.py", "tests/test_flash_attention.py",
+                 "tests/test_fused_model.py"]
+        junit = out / "kernel_tests.xml"
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
+                               *files], cwd=REPO, env=env_vars, capture_output=True, text=True,
+                              timeout=max(60, min(240, left() - 30)))
+        (out / "kernel_tests.log").write_text(proc.stdout[-20000:] + "\n" + proc.stderr[-5000:])
+        import xml.etree.ElementTree as ET
+
+        suite = ET.parse(junit).getroot()
+        suite = suite if suite.tag == "testsuite" else suite[0]
+        n = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+        return {"rows": [{"tests": n["tests"], "passed": n["tests"] - n["failures"] - n["errors"] - n["skipped"],
+                          "failed": n["failures"], "errored": n["errors"], "not run": n["skipped"],
+                          "pytest exit code": proc.returncode, "log": "kernel_tests.log"}]}
+
+    if not args.skip_tests:
+        section("kernel_tests", kernel_tests, min_left=120 if on_gpu else 20)
+
+    # ---------------------------------------------------------------------------------------- ops
+    from ops_suite import attention_rows, op_rows, train_rows
+
+    section("ops", lambda: {"rows": op_rows(device, copy_bw, smoke=not on_gpu, time_left=left)}, min_left=60)
+    section("attention", lambda: {"rows": attention_rows(device, mm_peak, smoke=not on_gpu, time_left=left)},
+            min_left=60)
+    section("train_step", lambda: {"rows": train_rows(device, smoke=not on_gpu, time_left=left)}, min_left=60)
+
+    def activations():
+        from tritonlm import ModelConfig
+        from tritonlm.memory import block_activation_bytes
+
+        return {"rows": [{"preset": p, "seq": s, **block_activation_bytes(ModelConfig.preset(p), s)}
+                         for p in ("small", "medium") for s in (512, 4096, 16384)]}
+
+    section("activation_memory", activations, min_left=0)
+
+    # ---------------------------------------------------------------------------------------- verdicts
+    from verdicts import plots, render_markdown, verdicts
+
+    report["verdicts"] = verdicts(report)
+    report["plots"] = plots(report, out)
+    report["total_seconds"] = round(time.perf_counter() - t_start, 1)
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "report.md").write_text(render_markdown(report))
+    print(f"[suite] done in {report['total_seconds']} s: {out / 'report.md'}, {out / 'report.json'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Measurement sections of the one-shot GPU suite (plain timing loops: faster than pytest-benchmark's
+calibration, so the whole suite fits its time budget). Every row is measured side by side in one process."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.nn.functional as TF
+
+from tritonlm import ModelConfig, accounting
+from tritonlm.benchmarking import benchmark_train_steps, time_fn
+
+
+def _ms(times):
+    return 1e3 * statistics.median(times)
+
+
+def _time(fn, device, smoke):
+    return time_fn(fn, device, warmup=1 if smoke else 5, rounds=2 if smoke else 20)
+
+
+def _modes(forward, inputs, device, smoke):
+    """Median seconds of forward and of backward alone."""
+    def fwd():
+        with torch.no_grad():
+            forward(*inputs)
+
+    out = forward(*inputs)
+    grad = torch.randn_like(out)
+
+    def bwd():
+        out.backward(grad, retain_graph=True)
+
+    res = {"fwd": statistics.median(_time(fwd, device, smoke)), "bwd": statistics.median(_time(bwd, device, smoke))}
+    for t in inputs:
+        t.grad = None
+    return res
+
+
+def op_rows(device, copy_bw, smoke=False, time_left=lambda: 1e9):
+    from tritonlm.kernels import apply_rope, rms_norm, swiglu_gate
+    from tritonlm.modules import functional as F
+    from tritonlm.modules import reference
+
+    dtype = torch.float32 if smoke else torch.bfloat16
+    shapes = [(64, 256)] if smoke else [(4096, 768), (16384, 4096), (65536, 8192)]
+    compile_shape = None if smoke else (16384, 4096)
+
+    def rms_ref(x, w):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * w.float()).to(x.dtype)
+
+    def swi_ref(a, b):
+        return F.silu(a) * b
+
+    liger = {}
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+        liger = {"rmsnorm": lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-5), "swiglu": LigerSiLUMulFunction.apply}
+    except Exception:
+        pass
+
+    rows = []
+    for rows_, hidden in shapes:
+        if time_left() < 90:
+            break
+        x = torch.randn(rows_, hidden, device=device, dtype=dtype, requires_grad=True)
+        w = torch.ones(hidden, device=device, dtype=dtype, requires_grad=True)
+        b = torch.randn(rows_, hidden, device=device, dtype=dtype, requires_grad=True)
+        n = x.numel() * x.element_size()
+        cases = {
+            "rmsnorm": ({"reference": rms_ref, "torch F.rms_norm": lambda x, w: TF.rms_norm(x, (hidden,), w, 1e-5),
+                         "tritonlm": lambda x, w: rms_norm(x, w, 1e-5)}, (x, w), {"fwd": 2 * n, "bwd": 3 * n}),
+            "swiglu": ({"reference": swi_ref, "tritonlm": swiglu_gate}, (x, b), {"fwd": 3 * n, "bwd": 5 * n}),
+        }
+        for name in ("rmsnorm", "swiglu"):
+            if name in liger:
+                cases[name][0]["liger-kernel"] = liger[name]
+        if (rows_, hidden) == compile_shape:
+            cases["rmsnorm"][0]["torch.compile(reference)"] = torch.compile(rms_ref, dynamic=False)
+            cases["swiglu"][0]["torch.compile(reference)"] = torch.compile(swi_ref, dynamic=False)
+        # RoPE on q and k: [batch, heads, seq, d] views with d = 128, as many rows as the x tensor
+        d = 128 if hidden >= 128 else 16
+        heads = max(1, hidden // d)
+        rope = reference.RotaryPositionalEmbedding(10000.0, d, rows_, device=device)
+        q = torch.randn(1, rows_, heads * d, device=device, dtype=dtype).unflatten(-1, (heads, d)).transpose(1, 2)
+        k = torch.randn(1, rows_, heads * d, device=device, dtype=dtype).unflatten(-1, (heads, d)).transpose(1, 2)
+        q.requires_grad_()
+        k.requires_grad_()
+        qn = q.numel() * q.element_size()
+
+        def rope_ref(q, k):
+            return torch.cat([rope(q), rope(k)])
+
+        def rope_ours(q, k):
+            return torch.cat(apply_rope(q, k, None, cos=rope.cos_cached, sin=rope.sin_cached))
+
+        rope_impls = {"reference": rope_ref, "tritonlm": rope_ours}
+        if (rows_, hidden) == compile_shape:
+            rope_impls["torch.compile(reference)"] = torch.compile(rope_ref, dynamic=False)
+        # the cat copies both outputs in every implementation; counted as traffic for all alike
+        cases["rope"] = (rope_impls, (q, k), {"fwd": 6 * qn, "bwd": 6 * qn})
+
+        for op, (impls, inputs, traffic) in cases.items():
+            for impl, fn in impls.items():
+                try:
+                    t = _modes(fn, inputs, device, smoke)
+                except Exception as e:  # e.g. a baseline that does not support this shape
+                    rows.append({"op": op, "shape": f"{rows_}x{hidden}", "impl": impl, "error": repr(e)[:200]})
+                    continue
+                for mode in ("fwd", "bwd"):
+                    gbps = traffic[mode] / t[mode] / 1e9
+                    rows.append({"op": op, "shape": f"{rows_}x{hidden}", "dtype": str(dtype)[6:], "impl": impl,
+                                 "mode": mode, "ms": 1e3 * t[mode], "GBps": gbps,
+                                 "pct_copy_bw": 100 * gbps * 1e9 / copy_bw})
+        del x, w, b, q, k
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def attention_rows(device, mm_peak, smoke=False, time_left=lambda: 1e9):
+    from tritonlm.kernels import flash_attention
+
+    dtype = torch.float32 if smoke else torch.bfloat16
+    cases = [(1, 2, 64, 16)] if smoke else [(8, 16, 1024, 64), (8, 16, 1024, 128), (4, 16, 4096, 64),
+                                            (4, 16, 4096, 128), (1, 16, 16384, 64), (1, 16, 16384, 128)]
+    impls = {"tritonlm": lambda q, k, v: flash_attention(q, k, v, is_causal=True)}
+    if not smoke:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def sdpa_flash(q, k, v):
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return TF.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        impls["sdpa-flash"] = sdpa_flash
+    else:
+        impls["sdpa-math"] = lambda q, k, v: TF.scaled_dot_product_attention(q, k, v, is_causal=True)
+    rows = []
+    for b, h, n, d in cases:
+        if time_left() < 60:
+            break
+        qkv = [torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3)]
+        fwd_flops = 4 * b * h * n * n * d / 2  # causal half
+        for impl, fn in impls.items():
+            def fwd():
+                with torch.no_grad():
+                    fn(*qkv)
+
+            def both():
+                fn(*qkv).backward(torch.ones(b, h, n, d, device=device, dtype=dtype))
+
+            try:
+                t_f = statistics.median(_time(fwd, device, smoke))
+                t_fb = statistics.median(_time(both, device, smoke))
+            except torch.OutOfMemoryError:
+                rows.append({"shape": f"{b}x{h}x{n}x{d}", "impl": impl, "error": "out of memory"})
+                continue
+            for t in qkv:
+                t.grad = None
+            rows.append({"shape": f"{b}x{h}x{n}x{d}", "seq": n, "d": d, "dtype": str(dtype)[6:], "impl": impl,
+                         "fwd_ms": 1e3 * t_f, "fwd_bwd_ms": 1e3 * t_fb, "fwd_TFLOPs": fwd_flops / t_f / 1e12,
+                         "fwd_bwd_TFLOPs": 3.5 * fwd_flops / t_fb / 1e12,
+                         "fwd_pct_matmul_peak": 100 * fwd_flops / t_f / mm_peak})
+        del qkv
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def train_rows(device, smoke=False, time_left=lambda: 1e9):
+    if smoke:
+        cfg = ModelConfig.preset("tiny").replace(num_layers=1, vocab_size=256)
+        res = benchmark_train_steps("tiny", [32], 1, ["reference", "fused"], device, warmup=1, rounds=2, cfg=cfg)
+    else:
+        res = benchmark_train_steps("small", [512], 8, ["reference", "fused", "compiled-reference"], device,
+                                    warmup=3, rounds=10)
+        if time_left() > 120:
+            res += benchmark_train_steps("medium", [512], 8, ["reference", "fused"], device, warmup=3, rounds=8)
+    rows = []
+    for r in res:
+        d = dict(r.__dict__)
+        if r.mean_s:
+            cfg = ModelConfig.preset(r.preset)
+            d["train_TFLOPs"] = accounting.training_flops(cfg, r.seq, r.batch) / r.mean_s / 1e12
+        rows.append(d)
+    return rows

@@ -1,0 +1,146 @@
+"""Verdicts per §Performance target, plots and the Markdown rendering of the GPU suite's report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _rows(report, name):
+    sec = report["sections"].get(name, {})
+    return sec.get("rows", []) if isinstance(sec, dict) else []
+
+
+def verdicts(report) -> list[dict]:
+    out = []
+    tests = _rows(report, "kernel_tests")
+    if tests:
+        t = tests[0]
+        out.append({"target": "kernel tests rerun on CUDA pass", "verdict": "met" if t["failed"] == t["errored"] == 0
+                    and t["passed"] > 0 else "not met", "detail": f"{t['passed']} passed, {t['failed']} failed, "
+                    f"{t['errored']} errors, {t['not run']} skipped"})
+
+    def add(target, met, detail):
+        out.append({"target": target, "verdict": "met" if met else ("not met" if met is not None else "not measured"),
+                    "detail": detail})
+
+    ops = [r for r in _rows(report, "ops") if "error" not in r]
+    for op in ("rmsnorm", "swiglu", "rope"):
+        for mode in ("fwd", "bwd"):
+            ours = [r for r in ops if r["op"] == op and r["mode"] == mode and r["impl"] == "tritonlm"]
+            if not ours:
+                add(f"{op} {mode} >= 85% of copy bandwidth", None, "no measurement")
+                continue
+            worst = min(ours, key=lambda r: r["pct_copy_bw"])
+            add(f"{op} {mode} >= 85% of copy bandwidth", worst["pct_copy_bw"] >= 85,
+                f"lowest {worst['pct_copy_bw']:.0f}% at {worst['shape']} ({worst['GBps']:.0f} GB/s)")
+            for rival in ("torch.compile(reference)", "liger-kernel"):
+                pairs = [(o, r) for o in ours for r in ops if r["op"] == op and r["mode"] == mode
+                         and r["impl"] == rival and r["shape"] == o["shape"]]
+                if pairs:
+                    ratio = min(r["ms"] / o["ms"] for o, r in pairs)
+                    add(f"{op} {mode} faster than {rival}", ratio >= 1.0, f"worst speed-up {ratio:.2f}x")
+    att = [r for r in _rows(report, "attention") if "error" not in r]
+    ours = [r for r in att if r["impl"] == "tritonlm"]
+    if ours:
+        worst = min(ours, key=lambda r: r["fwd_TFLOPs"])
+        add("attention fwd >= 450 TFLOP/s", worst["fwd_TFLOPs"] >= 450,
+            f"lowest {worst['fwd_TFLOPs']:.0f} TFLOP/s at {worst['shape']}")
+        for key, label in (("fwd_ms", "fwd"), ("fwd_bwd_ms", "fwd+bwd")):
+            pairs = [(o, r) for o in ours for r in att if r["impl"] == "sdpa-flash" and r["shape"] == o["shape"]]
+            if pairs:
+                ratio = min(r[key] / o[key] for o, r in pairs)
+                add(f"attention {label} >= 1.0x SDPA flash", ratio >= 1.0, f"worst {ratio:.2f}x")
+    steps = [r for r in _rows(report, "train_step") if r.get("mean_s")]
+    for preset in sorted({r["preset"] for r in steps}):
+        by = {r["impl"]: r for r in steps if r["preset"] == preset}
+        if "fused" in by and "reference" in by:
+            s = by["reference"]["mean_s"] / by["fused"]["mean_s"]
+            add(f"train step {preset}: fused >= 1.5x reference eager", s >= 1.5, f"{s:.2f}x")
+        if "fused" in by and "compiled-reference" in by:
+            s = by["compiled-reference"]["mean_s"] / by["fused"]["mean_s"]
+            add(f"train step {preset}: fused >= 1.1x torch.compile(reference)", s >= 1.1, f"{s:.2f}x")
+    for r in _rows(report, "activation_memory"):
+        if r["seq"] == 4096:
+            add(f"activation memory {r['preset']} seq 4096: fused <= 1/8 reference", r["ratio"] <= 0.125,
+                f"{r['ratio']:.3f}")
+    return out
+
+
+def plots(report, out: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    made = []
+    att = [r for r in _rows(report, "attention") if "error" not in r]
+    if att:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for impl in sorted({r["impl"] for r in att}):
+            for d in sorted({r["d"] for r in att}):
+                pts = sorted((r["seq"], r["fwd_TFLOPs"]) for r in att if r["impl"] == impl and r["d"] == d)
+                ax.plot(*zip(*pts), "o-", label=f"{impl} d{d}")
+        ax.set(xscale="log", xlabel="sequence length", ylabel="forward TFLOP/s (causal)", title="causal attention")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "attention.png", dpi=110)
+        plt.close(fig)
+        made.append("attention.png")
+    ops = [r for r in _rows(report, "ops") if "error" not in r]
+    if ops:
+        fig, ax = plt.subplots(figsize=(9, 4))
+        labels, values = [], []
+        for r in ops:
+            if r["impl"] == "tritonlm":
+                labels.append(f"{r['op']} {r['mode']}\n{r['shape']}")
+                values.append(r["pct_copy_bw"])
+        ax.bar(range(len(values)), values)
+        ax.axhline(85, color="red", ls="--", label="target 85%")
+        ax.set_xticks(range(len(values)), labels, rotation=90, fontsize=6)
+        ax.set(ylabel="% of measured copy bandwidth", title="tritonlm memory-bound kernels")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "ops_bandwidth.png", dpi=110)
+        plt.close(fig)
+        made.append("ops_bandwidth.png")
+    return made
+
+
+def _table(rows, cols):
+    if not rows:
+        return "_none_\n"
+    head = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
+
+    def fmt(v):
+        return f"{v:.3g}" if isinstance(v, float) else ("" if v is None else str(v))
+
+    return head + "".join("| " + " | ".join(fmt(r.get(c)) for c in cols) + " |\n" for r in rows)
+
+
+def render_markdown(report) -> str:
+    env, ceil = report["environment"], report["ceilings"]
+    md = [f"# tritonlm GPU suite report{' (CPU SMOKE RUN: NOT GPU FIGURES)' if report['smoke'] else ''}", "",
+          f"Started {report['started']}; total {report.get('total_seconds')} s.", "",
+          "## Environment", "", _table([env], list(env)), "## Machine ceilings (measured this run)", "",
+          f"copy bandwidth {ceil['copy_GBps']:.0f} GB/s; {ceil['matmul_dtype']} matmul {ceil['matmul_TFLOPs']:.0f} "
+          "TFLOP/s", "", "## Verdicts (§Performance targets)", "",
+          _table(report.get("verdicts", []), ["target", "verdict", "detail"])]
+    for name, cols in (("kernel_tests", ["tests", "passed", "failed", "errored", "not run", "pytest exit code", "log"]), ("ops", ["op", "shape", "dtype", "impl", "mode", "ms", "GBps", "pct_copy_bw", "error"]),
+                       ("attention", ["shape", "dtype", "impl", "fwd_ms", "fwd_bwd_ms", "fwd_TFLOPs", "fwd_bwd_TFLOPs", "fwd_pct_matmul_peak", "error"]),
+                       ("train_step", ["preset", "impl", "batch", "seq", "mean_s", "std_s", "tokens_per_s", "mfu", "train_TFLOPs", "peak_bytes", "error"]),
+                       ("activation_memory", ["preset", "seq", "reference", "fused", "ratio"])):
+        sec = report["sections"].get(name)
+        md += [f"## {name}", ""]
+        if sec is None:
+            md += ["_not run_", ""]
+        elif "skipped" in sec or "error" in sec:
+            md += [f"**{sec.get('skipped') or sec.get('error')}**", ""]
+            if "traceback" in sec:
+                md += ["```", sec["traceback"], "```", ""]
+        else:
+            md += [_table(sec.get("rows", []), cols), ""]
+    for p in report.get("plots", []):
+        md += [f"![{p}]({p})", ""]
+    return "\n".join(md)
