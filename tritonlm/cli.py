@@ -179,6 +179,9 @@ def cmd_tokenize(args) -> int:
         print(f"trained byte-level BPE on {src} ({src.stat().st_size / 1e6:.2f} MB): {len(vocab)} tokens, "
               f"{len(merges)} merges in {dt:.2f}s -> {out}/vocab.json, {out}/merges.txt; compression "
               f"{tok.compression_ratio(sample):.3f} bytes/token")
+        if len(vocab) < args.vocab_size:
+            print(f"note: stopped at {len(vocab)} of the {args.vocab_size} tokens asked for: the text has no "
+                  "pair left to merge")
         return 0
     except (TrainError, ValueError) as e:
         raise CLIError(str(e)) from None
