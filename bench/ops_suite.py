@@ -72,7 +72,7 @@ def op_rows(device, copy_bw, smoke=False, time_left=lambda: 1e9):
         b = torch.randn(rows_, hidden, device=device, dtype=dtype, requires_grad=True)
         n = x.numel() * x.element_size()
         cases = {
-            "rmsnorm": ({"reference": rms_ref, "torch F.rms_norm": lambda x, w: TF.rms_norm(x, (hidden,), w, 1e-5),
+            "rmsnorm": ({"reference": rms_ref, "torch F.rms_norm": lambda x, w: TF.rms_norm(x, (x.shape[-1],), w, 1e-5),
                          "tritonlm": lambda x, w: rms_norm(x, w, 1e-5)}, (x, w), {"fwd": 2 * n, "bwd": 3 * n}),
             "swiglu": ({"reference": swi_ref, "tritonlm": swiglu_gate}, (x, b), {"fwd": 3 * n, "bwd": 5 * n}),
         }
@@ -92,10 +92,10 @@ def op_rows(device, copy_bw, smoke=False, time_left=lambda: 1e9):
         k.requires_grad_()
         qn = q.numel() * q.element_size()
 
-        def rope_ref(q, k):
+        def rope_ref(q, k, rope=rope):
             return torch.cat([rope(q), rope(k)])
 
-        def rope_ours(q, k):
+        def rope_ours(q, k, rope=rope):
             return torch.cat(apply_rope(q, k, None, cos=rope.cos_cached, sin=rope.sin_cached))
 
         rope_impls = {"reference": rope_ref, "tritonlm": rope_ours}
@@ -146,12 +146,13 @@ def attention_rows(device, mm_peak, smoke=False, time_left=lambda: 1e9):
         qkv = [torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3)]
         fwd_flops = 4 * b * h * n * n * d / 2  # causal half
         for impl, fn in impls.items():
-            def fwd():
+            def fwd(fn=fn, qkv=qkv):
                 with torch.no_grad():
                     fn(*qkv)
 
-            def both():
-                fn(*qkv).backward(torch.ones(b, h, n, d, device=device, dtype=dtype))
+            def both(fn=fn, qkv=qkv):
+                out = fn(*qkv)
+                out.backward(torch.ones_like(out))
 
             try:
                 t_f = statistics.median(_time(fwd, device, smoke))
