@@ -157,7 +157,7 @@ def attention_rows(device, mm_peak, smoke=False, time_left=lambda: 1e9):
             try:
                 t_f = statistics.median(_time(fwd, device, smoke))
                 t_fb = statistics.median(_time(both, device, smoke))
-            except torch.OutOfMemoryError:
+            except torch.cuda.OutOfMemoryError:
                 rows.append({"shape": f"{b}x{h}x{n}x{d}", "impl": impl, "error": "out of memory"})
                 continue
             for t in qkv:

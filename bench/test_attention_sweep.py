@@ -35,7 +35,7 @@ def _bench(benchmark, fn, batch, seq, d, backward):
 
     try:
         mean = run(benchmark, step)
-    except torch.OutOfMemoryError:
+    except torch.cuda.OutOfMemoryError:
         if ON_GPU:
             torch.cuda.empty_cache()
         pytest.skip(f"out of memory at batch {batch}, seq {seq}, d {d}")

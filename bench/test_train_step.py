@@ -34,7 +34,7 @@ def test_train_step(benchmark, preset, seq, batch, impl):
         else:
             call = step
         benchmark.pedantic(call, iterations=1, rounds=ROUNDS["rounds"], warmup_rounds=max(2, ROUNDS["warmup_rounds"]))
-    except torch.OutOfMemoryError:
+    except torch.cuda.OutOfMemoryError:
         pytest.skip(f"out of memory: {impl} {preset} seq {seq} batch {batch}")
     mean = benchmark.stats.stats.mean
     info = benchmark.extra_info

@@ -170,13 +170,20 @@ def _launch_config(n_cols: int) -> dict:
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, ROW_IN_REGISTERS=n_cols <= MAX_FUSED_COLS, num_warps=num_warps)
 
 
+def _autocast_on(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4 takes no device argument (and means CUDA)
+        return torch.is_autocast_enabled()
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
     if weight.dim() != 1:
         raise ValueError(f"rms_norm: weight must be 1-D [d_model], got {tuple(weight.shape)}")
     if x.dim() == 0 or x.shape[-1] != weight.shape[0]:
         raise ValueError(f"rms_norm: x must be [..., {weight.shape[0]}], got {tuple(x.shape)}")
     check_float("rms_norm", x, weight)
-    if x.dtype != weight.dtype and not (weight.dtype == torch.float32 and torch.is_autocast_enabled()):
+    if x.dtype != weight.dtype and not (weight.dtype == torch.float32 and _autocast_on(x.device.type)):
         raise TypeError(f"rms_norm: x is {x.dtype} but weight is {weight.dtype}; cast one of them "
                         "(an fp32 weight with low-precision x is accepted under autocast)")
     check_device("rms_norm", x, weight)

@@ -95,3 +95,13 @@ def test_bad_inputs():
         rms_norm(torch.ones(2, 8, dtype=torch.int32), torch.ones(8, dtype=torch.int32))
     with pytest.raises(ValueError):
         rms_norm(torch.randn(2, 8), torch.ones(2, 8))
+
+
+def test_fp32_weight_with_low_precision_input_under_autocast():
+    # autocast keeps master weights fp32 while activations are bf16: accepted, computed in fp32
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    w = torch.randn(32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = rms_norm(x, w)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), TF.rms_norm(x.float(), (32,), w, 1e-5), atol=2e-2, rtol=2e-2)

@@ -246,7 +246,7 @@ def test_cli_main_job_on_embedded_corpus(tmp_path):
     assert g.returncode == 0 and g.stdout.startswith("The")
 
 
-def test_ddp_two_processes_gloo_match_single_process(tmp_path, corpus):
+def test_ddp_and_fsdp_two_processes_gloo_match_single_process(tmp_path, corpus):
     common = ["train", "--data", str(corpus), "--max-steps", "4", "--log-every", "2", "--eval-every", "0",
               "--sample-tokens", "0", "--no-progress", "--vocab-size", "300", "--context-length", "16",
               "--d-model", "32", "--num-layers", "1", "--num-heads", "2", "--d-ff", "64", "--seed", "1"]
@@ -265,3 +265,15 @@ def test_ddp_two_processes_gloo_match_single_process(tmp_path, corpus):
     log_ddp = [json.loads(x)["loss"] for x in (tmp_path / "ddp" / "log.jsonl").read_text().splitlines()]
     log_one = [json.loads(x)["loss"] for x in (tmp_path / "one" / "log.jsonl").read_text().splitlines()]
     assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(log_ddp, log_one))
+    # FSDP2 (fully_shard) over the same global batch: the gathered checkpoint equals DDP's weights
+    fsdp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           "--master_port", str(29500 + (os.getpid() + 7) % 1000), "-m", "tritonlm.cli", *common,
+                           "--batch-size", "4", "--fsdp", "--out", str(tmp_path / "fsdp")],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    a = torch.load(tmp_path / "fsdp" / "checkpoint.pt", weights_only=False)["model"]
+    b = torch.load(tmp_path / "ddp" / "checkpoint.pt", weights_only=False)["model"]
+    assert a.keys() == b.keys()
+    for k in a:
+        assert type(a[k]) is torch.Tensor  # full tensors, not shards
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)

@@ -155,7 +155,7 @@ def benchmark_train_steps(preset: str, seqs: list[int], batch: int, impls: list[
                 flops = accounting.training_flops(cfg, seq, batch)
                 results.append(StepResult(preset, impl, batch, seq, s["mean_s"], s["std_s"], batch * seq / s["mean_s"],
                                           flops / s["mean_s"] / peak if peak else None, mem.get("peak_bytes")))
-            except torch.OutOfMemoryError:
+            except torch.cuda.OutOfMemoryError:
                 results.append(StepResult(preset, impl, batch, seq, None, None, None, None, None, "out of memory"))
             finally:
                 step = None

@@ -38,13 +38,22 @@ def restore_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, iteration: int, out,
-                    **extra) -> None:
+def save_checkpoint(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None, iteration: int, out,
+                    *, model_state: dict | None = None, optimizer_state: dict | None = None, **extra) -> None:
     """Save ``model``/``optimizer`` state and ``iteration`` (plus ``extra`` entries) to a path or a binary
-    file object. A path is written atomically: a crash mid-write leaves any previous file intact."""
-    payload = {"model": unwrap(model).state_dict(), "iteration": int(iteration), "rng": rng_state(), **extra}
-    if optimizer is not None:
-        payload["optimizer"] = optimizer.state_dict()
+    file object. A path is written atomically: a crash mid-write leaves any previous file intact.
+
+    ``model_state``/``optimizer_state`` replace the objects' own ``state_dict()`` (e.g. full state dicts
+    gathered from a sharded FSDP model)."""
+    if model_state is None:
+        if model is None:
+            raise ValueError("save_checkpoint needs a model or a model_state")
+        model_state = unwrap(model).state_dict()
+    if optimizer_state is None and optimizer is not None:
+        optimizer_state = optimizer.state_dict()
+    payload = {"model": model_state, "iteration": int(iteration), "rng": rng_state(), **extra}
+    if optimizer_state is not None:
+        payload["optimizer"] = optimizer_state
     if not isinstance(out, (str, os.PathLike)):
         torch.save(payload, out)
         return

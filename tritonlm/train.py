@@ -290,16 +290,15 @@ def train(cfg: TrainConfig, say=print) -> dict:
     model = TransformerLM.from_config(mcfg, device=device, backend=cfg.backend)
     say(f"model: preset {cfg.preset}, {accounting.param_count(mcfg) / 1e6:.2f}M parameters, "
         f"backend {model.backend} on {device}" + (f" ({dist_info.world} ranks)" if dist_info.world > 1 else ""))
-    optimizer = AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     generator = torch.Generator().manual_seed(cfg.seed)
     start_step = 0
     ckpt_path = out / CHECKPOINT_NAME
+    payload = None
     if cfg.resume:
         if not ckpt_path.exists():
             raise TrainError(f"--resume: no checkpoint in {out}")
         payload = read_checkpoint(ckpt_path, map_location=device)
-        model.load_state_dict(payload["model"])
-        optimizer.load_state_dict(payload["optimizer"])
+        model.load_state_dict(payload["model"])  # full weights, before any sharding
         start_step = int(payload["iteration"])
         restore_rng_state(payload["rng"])
         generator.set_state(payload["generator"])
@@ -307,8 +306,12 @@ def train(cfg: TrainConfig, say=print) -> dict:
     if cfg.fsdp:
         if dist_info.world == 1:
             raise TrainError("--fsdp needs torchrun with more than one process")
-        from torch.distributed.fsdp import fully_shard
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch < 2.6 keeps FSDP2 under _composable
+            from torch.distributed._composable.fsdp import fully_shard
 
+        # fully_shard swaps each parameter for a sharded DTensor: the optimizer is built afterwards
         for layer in model.layers:
             fully_shard(layer)
         fully_shard(model)
@@ -318,6 +321,16 @@ def train(cfg: TrainConfig, say=print) -> dict:
             model, device_ids=[device.index] if device.type == "cuda" else None)
     else:
         train_model = model
+    optimizer = AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    if payload is not None:
+        if cfg.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(model, optimizer, payload["optimizer"],
+                                     options=StateDictOptions(full_state_dict=True))
+        else:
+            optimizer.load_state_dict(payload["optimizer"])
+        payload = None
     if cfg.compile:
         train_model = torch.compile(train_model)
     autocast, precision = _autocast(device, cfg.dtype)
@@ -361,11 +374,25 @@ def train(cfg: TrainConfig, say=print) -> dict:
             log.flush()
 
     def checkpoint(step: int):
-        if not main:
+        extra = dict(model_config=mcfg.to_dict(), train_config=cfg.to_dict(), generator=generator.get_state(),
+                     tokenizer=str(tok_dir.resolve()) if tok_dir else None)
+        if cfg.fsdp:
+            # every rank takes part in gathering full (unsharded) weights and optimizer state; rank 0 writes
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+                get_optimizer_state_dict,
+            )
+
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            model_state = get_model_state_dict(model, options=opts)
+            optim_state = get_optimizer_state_dict(model, optimizer, options=opts)
+            if main:
+                save_checkpoint(None, None, step, ckpt_path, model_state=model_state, optimizer_state=optim_state,
+                                **extra)
             return
-        save_checkpoint(unwrap(model), optimizer, step, ckpt_path, model_config=mcfg.to_dict(),
-                        train_config=cfg.to_dict(), generator=generator.get_state(),
-                        tokenizer=str(tok_dir.resolve()) if tok_dir else None)
+        if main:
+            save_checkpoint(unwrap(model), optimizer, step, ckpt_path, **extra)
 
     model.train()
     bar = tqdm(range(start_step, cfg.max_steps), initial=start_step, total=cfg.max_steps, desc="train",
