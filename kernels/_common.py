@@ -17,14 +17,14 @@ _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 #: Set while the SASS report captures launches on meta tensors: launchers then pick their GPU
-#: configurations (as on an H100/H200) although no GPU is present.
-_ASSUME_GPU = contextvars.ContextVar("tritonlm_assume_gpu", default=False)
+#: configurations for this compute capability (90: H100/H200, 80: A100) although no GPU is present.
+_ASSUME_GPU = contextvars.ContextVar("tritonlm_assume_gpu", default=None)
 ASSUMED_SM_COUNT = 132  # H100/H200 SXM
 
 
 @contextlib.contextmanager
-def assume_gpu_target():
-    token = _ASSUME_GPU.set(True)
+def assume_gpu_target(capability: int = 90):
+    token = _ASSUME_GPU.set(capability)
     try:
         yield
     finally:
@@ -33,7 +33,15 @@ def assume_gpu_target():
 
 def on_gpu(device: torch.device) -> bool:
     """Whether launch heuristics should choose GPU configurations for tensors on ``device``."""
-    return device.type == "cuda" or _ASSUME_GPU.get()
+    return device.type == "cuda" or _ASSUME_GPU.get() is not None
+
+
+def gpu_capability(device: torch.device) -> int:
+    """Compute capability as an int (90 for sm_90), of the device or of the assumed target."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return 10 * major + minor
+    return _ASSUME_GPU.get() or 90
 
 
 def check_device(op: str, *tensors: torch.Tensor) -> None:
@@ -102,7 +110,7 @@ def num_persistent_programs(x: torch.Tensor, n_blocks: int, per_sm: int = 4) -> 
     """Programs for a grid-stride loop: enough to fill the GPU, never more than the work."""
     if x.device.type == "cuda":
         return max(1, min(n_blocks, per_sm * sm_count(x.device.index or 0)))
-    if _ASSUME_GPU.get():
+    if _ASSUME_GPU.get() is not None:
         return max(1, min(n_blocks, per_sm * ASSUMED_SM_COUNT))
     return max(1, min(n_blocks, 4))  # interpreter: programs run one after another anyway
 

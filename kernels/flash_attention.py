@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ..profiling import kernel_range
-from ._common import as_4d, check_device, check_float, next_pow2, on_gpu, use_custom_op
+from ._common import as_4d, check_device, check_float, gpu_capability, next_pow2, on_gpu, use_custom_op
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -328,8 +328,15 @@ FWD_CONFIGS = {16: (128, 64, 4, 3), 32: (128, 64, 4, 3), 64: (128, 64, 4, 3), 12
                256: (64, 32, 8, 2)}
 #: (BLOCK_M, BLOCK_N, num_warps, num_stages) for both backward kernels: the dK/dV kernel holds
 #: K, V, dK, dV for BLOCK_N keys, the dQ kernel Q, dO, dQ for BLOCK_M queries.
+#: Evidence (profiles/sass/REPORT.md, bf16, seq 4096): d 64 -> fwd 231 regs sm_90 (HGMMA) / 255 sm_80 (HMMA),
+#: dK/dV 233 / 255, dQ 150 / 255, no spills; d 128 with 8 warps -> fwd 188 / 214, dK/dV 249 / 255, dQ 180 /
+#: 177, no spills. d 256: 64-row wgmma tiles spill heavily in the backward (hundreds of LDL/STL), so it keeps
+#: 32-row tiles, spill-free, on mma (HMMA) even on sm_90.
 BWD_CONFIGS = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 2), 128: (64, 64, 8, 2),
                256: (32, 32, 8, 1)}
+#: Ampere (sm_80) overrides: at d 64 the 64x64 backward tiles need all 255 registers and spill a little
+#: there (16-40 bytes of stack); 32-query tiles are spill-free (sm_90 keeps 64 rows for wgmma).
+BWD_CONFIGS_SM80 = {64: (32, 64, 4, 2)}
 #: The interpreter runs whole tiles as numpy ops: larger tiles are fewer, faster steps.
 INTERPRETER_CONFIG = (32, 32, 4, 1)
 
@@ -350,7 +357,8 @@ def _fwd_config(d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, 
 def _bwd_config(d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
     if not on_gpu(device):
         return INTERPRETER_CONFIG
-    block_m, block_n, warps, stages = BWD_CONFIGS[_block_d(d)]
+    table = BWD_CONFIGS_SM80 if gpu_capability(device) < 90 else {}
+    block_m, block_n, warps, stages = table.get(_block_d(d), BWD_CONFIGS[_block_d(d)])
     if dtype == torch.float32:
         block_m, block_n = max(16, block_m // 2), max(16, block_n // 2)
     return block_m, block_n, warps, stages

@@ -88,14 +88,15 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def capture(thunk) -> list[tuple]:
-    """Run ``thunk`` (which calls launchers on meta tensors) and return the captured kernel calls."""
+def capture(thunk, capability: int = 90) -> list[tuple]:
+    """Run ``thunk`` (which calls launchers on meta tensors) as if on a GPU of ``capability`` and return
+    the captured kernel calls."""
     from .kernels._common import INTERPRETING, assume_gpu_target
 
     if INTERPRETING:
         raise RuntimeError("the SASS report compiles kernels for real GPUs; run it without TRITON_INTERPRET=1 "
                            "(the interpreter replaces the compiled kernels)")
-    with assume_gpu_target(), _capture() as calls:
+    with assume_gpu_target(capability), _capture() as calls:
         thunk()
     return calls
 
@@ -109,7 +110,7 @@ def _to_launch(kernel_label: str, case: str, call, flops: int = 0) -> Launch:
     return Launch(kernel_label, case, fn, tuple(args), kwargs, warps, stages, moved, flops)
 
 
-def representative_launches(quick: bool = False) -> list[Launch]:
+def representative_launches(quick: bool = False, arch: str = "sm_90") -> list[Launch]:
     """Every kernel at its launcher's configuration for representative shapes.
 
     Elementwise ops: 4096 rows × hidden 768 / 4096 / 8192 (``quick``: 4096 only), bf16 and fp32
@@ -123,6 +124,11 @@ def representative_launches(quick: bool = False) -> list[Launch]:
     # (the package re-exports a *function* named flash_attention, so import the module by path)
     fa = importlib.import_module("tritonlm.kernels.flash_attention")
 
+    cap = ARCHS[arch]  # launch heuristics may differ per architecture
+
+    def calls_of(thunk):
+        return capture(thunk, cap)
+
     meta = torch.device("meta")
     hiddens = [4096] if quick else [768, 4096, 8192]
     dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float32]
@@ -135,14 +141,14 @@ def representative_launches(quick: bool = False) -> list[Launch]:
             x = torch.empty(rows, hidden, dtype=dtype, device=meta)
             w = torch.empty(hidden, dtype=dtype, device=meta)
             rstd = torch.empty(rows, dtype=torch.float32, device=meta)
-            calls = capture(lambda x=x, w=w: rmsnorm.rms_norm_forward(x, w, 1e-5))
+            calls = calls_of(lambda x=x, w=w: rmsnorm.rms_norm_forward(x, w, 1e-5))
             out.append(_to_launch("rmsnorm.fwd", case, calls[0]))
-            calls = capture(lambda x=x, w=w, rstd=rstd: rmsnorm.rms_norm_backward(x, x, w, rstd))
+            calls = calls_of(lambda x=x, w=w, rstd=rstd: rmsnorm.rms_norm_backward(x, x, w, rstd))
             out.append(_to_launch("rmsnorm.bwd", case, calls[0]))
             out.append(_to_launch("rmsnorm.dw_reduce", case, calls[1]))
-            calls = capture(lambda x=x: swiglu.swiglu_forward(x, x))
+            calls = calls_of(lambda x=x: swiglu.swiglu_forward(x, x))
             out.append(_to_launch("swiglu.fwd", case, calls[0]))
-            calls = capture(lambda x=x: swiglu.swiglu_backward(x, x, x))
+            calls = calls_of(lambda x=x: swiglu.swiglu_backward(x, x, x))
             out.append(_to_launch("swiglu.bwd", case, calls[0]))
         # RoPE on the [batch, heads, seq, d] view of a [batch, seq, heads*d] projection: q and k together
         for d in ([128] if quick else [64, 128]):
@@ -151,7 +157,7 @@ def representative_launches(quick: bool = False) -> list[Launch]:
             q = torch.empty(1, seq, heads * d, dtype=dtype, device=meta).unflatten(-1, (heads, d)).transpose(1, 2)
             cos = torch.empty(seq, d // 2, dtype=torch.float32, device=meta)
             pos = torch.empty(seq, dtype=torch.int64, device=meta)
-            calls = capture(lambda q=q, cos=cos, pos=pos: rope.rope_forward(q, q, cos, cos, pos))
+            calls = calls_of(lambda q=q, cos=cos, pos=pos: rope.rope_forward(q, q, cos, cos, pos))
             launch = _to_launch("rope.fwd", case, calls[0])
             launch.bytes_moved = 4 * _nbytes(q) + 2 * _nbytes(cos) + _nbytes(pos)
             out.append(launch)
@@ -166,9 +172,9 @@ def representative_launches(quick: bool = False) -> list[Launch]:
             q = torch.empty(b, h, n, d, dtype=dtype, device=meta)
             lse = torch.empty(b, h, n, dtype=torch.float32, device=meta)
             causal_pairs = n * (n + 1) // 2
-            calls = capture(lambda q=q: fa.flash_attention_forward(q, q, q, True, 0.1))
+            calls = calls_of(lambda q=q: fa.flash_attention_forward(q, q, q, True, 0.1))
             out.append(_to_launch("attention.fwd", case, calls[0], flops=4 * b * h * causal_pairs * d))
-            calls = capture(lambda q=q, lse=lse: fa.flash_attention_backward(q, q, q, q, q, lse, True, 0.1))
+            calls = calls_of(lambda q=q, lse=lse: fa.flash_attention_backward(q, q, q, q, q, lse, True, 0.1))
             out.append(_to_launch("attention.bwd_preprocess", case, calls[0]))
             out.append(_to_launch("attention.bwd_dkdv", case, calls[1], flops=8 * b * h * causal_pairs * d))
             out.append(_to_launch("attention.bwd_dq", case, calls[2], flops=6 * b * h * causal_pairs * d))
@@ -281,7 +287,9 @@ def analyze(launch: Launch, arch: str) -> Row:
         return row
     m = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)", usage)
     if m:
-        row.registers, row.shared_bytes, row.spill_bytes = int(m.group(1)), int(m.group(3)), int(m.group(4))
+        # spilled registers live in the per-thread stack frame (STACK) or local memory (LOCAL)
+        row.registers, row.shared_bytes = int(m.group(1)), int(m.group(3))
+        row.spill_bytes = int(m.group(2)) + int(m.group(4))
     row.sass = _sass_counts(sass)
     return row
 
@@ -289,8 +297,7 @@ def analyze(launch: Launch, arch: str) -> Row:
 def run_report(archs=("sm_90", "sm_80"), quick: bool = False, progress: bool = False) -> list[Row]:
     from tqdm.auto import tqdm
 
-    launches = representative_launches(quick)
-    jobs = [(launch, arch) for launch in launches for arch in archs]
+    jobs = [(launch, arch) for arch in archs for launch in representative_launches(quick, arch)]
     return [analyze(launch, arch) for launch, arch in tqdm(jobs, desc="compile", disable=not progress)]
 
 
@@ -305,7 +312,7 @@ def format_markdown(rows: list[Row], title: str = "Kernel SASS report") -> str:
              f"Triton {triton.__version__}, torch {torch.__version__}. Roofline: compulsory HBM bytes / bandwidth "
              "or FLOPs / 989 TFLOP/s, whichever is larger (H100 3.35 TB/s, H200 4.8 TB/s); attention FLOPs count "
              "the causal half.", "",
-             "| kernel | case | arch | config | regs | smem | spill | tensor-core | global loads | global stores "
+             "| kernel | case | arch | config | regs | smem | spill (stack+local) | tensor-core | global loads | global stores "
              "| async copies | roofline H100 / H200 (µs) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
