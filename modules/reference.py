@@ -66,7 +66,13 @@ class Linear(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Lookup table ``weight[num_embeddings, embedding_dim]``; init truncated normal std 1, cut at ±3."""
+    """Lookup table ``weight[num_embeddings, embedding_dim]``; init truncated normal std 1, cut at ±3.
+
+    Out-of-range ids raise a ``ValueError`` (a host-side check, i.e. a device sync per call); a caller that
+    has validated its data once (the trainer does) can switch it off with ``check_ids = False``.
+    """
+
+    check_ids = True
 
     def __init__(self, num_embeddings: int, embedding_dim: int, device=None, dtype=None):
         super().__init__()
@@ -78,7 +84,7 @@ class Embedding(nn.Module):
         """``token_ids[...] -> [..., embedding_dim]``."""
         if token_ids.is_floating_point() or token_ids.dtype == torch.bool:
             raise TypeError(f"Embedding expects integer token ids, got {token_ids.dtype}")
-        if _inspectable(token_ids):
+        if self.check_ids and _inspectable(token_ids):
             lo, hi = int(token_ids.min()), int(token_ids.max())
             if lo < 0 or hi >= self.num_embeddings:
                 raise ValueError(f"token id out of range [0, {self.num_embeddings}): saw {lo if lo < 0 else hi}")
@@ -200,6 +206,10 @@ class RotaryPositionalEmbedding(nn.Module):
             lo, hi = int(token_positions.min()), int(token_positions.max())
             if lo < 0 or hi >= self.max_seq_len:
                 raise ValueError(f"token position out of range [0, {self.max_seq_len}): saw {lo if lo < 0 else hi}")
+        return self.rotate(x, token_positions)
+
+    def rotate(self, x: torch.Tensor, token_positions: torch.Tensor) -> torch.Tensor:
+        """The rotation itself, for positions already known to be in range (no host-side check)."""
         cos = self.cos_cached[token_positions]  # [..., seq, pair]
         sin = self.sin_cached[token_positions]
         pairs = rearrange(x.float(), "... seq (pair two) -> ... seq pair two", two=2)
@@ -351,6 +361,8 @@ class MultiHeadSelfAttention(nn.Module):
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, trusted: bool = False):
         """RoPE on ``q`` and ``k`` (``[..., heads, seq, d_k]``) at ``positions[..., 1, seq]``; ``trusted``
         positions were generated here and need no range check."""
+        if trusted:  # generated here: skip the per-layer host-side range check (a device sync)
+            return self.rope.rotate(q, positions), self.rope.rotate(k, positions)
         return self.rope(q, positions), self.rope(k, positions)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

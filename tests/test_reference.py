@@ -299,3 +299,21 @@ def test_generate_greedy_matches_argmax_loop_and_eos():
     eos = int(out[3])
     stopped = model.generate(prompt, 12, temperature=0, eos_id=eos)
     assert stopped.tolist() == out.tolist()[:4]
+
+
+def test_generated_positions_skip_host_checks_user_positions_do_not():
+    attn = R.MultiHeadSelfAttention(16, 2, max_seq_len=8, theta=10000.0)
+    x = torch.randn(1, 5, 16)
+    calls = []
+    real = R._inspectable
+    R._inspectable = lambda t: calls.append(t) or real(t)
+    try:
+        attn(x)
+        assert calls == []  # positions generated inside: no device sync per layer
+        with pytest.raises(ValueError, match="out of range"):
+            attn(x, torch.tensor([0, 1, 2, 3, 9]))
+    finally:
+        R._inspectable = real
+    emb = R.Embedding(4, 2)
+    emb.check_ids = False
+    assert emb(torch.tensor([3])).shape == (1, 2)

@@ -288,6 +288,7 @@ def train(cfg: TrainConfig, say=print) -> dict:
     # ---- model and optimizer
     torch.manual_seed(cfg.seed)
     model = TransformerLM.from_config(mcfg, device=device, backend=cfg.backend)
+    model.token_embeddings.check_ids = False  # every id was checked against the vocab above, once
     say(f"model: preset {cfg.preset}, {accounting.param_count(mcfg) / 1e6:.2f}M parameters, "
         f"backend {model.backend} on {device}" + (f" ({dist_info.world} ranks)" if dist_info.world > 1 else ""))
     generator = torch.Generator().manual_seed(cfg.seed)
