@@ -42,6 +42,36 @@ LN2 = 0.6931471805599453
 
 
 # ----------------------------------------------------------------------------------------------------
+# tile bookkeeping shared by the forward and the dQ kernel (both walk key tiles for one query tile)
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _query_tile(n_q, n_heads, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``(start_m, b, h, pid_bh)`` of this program. Causal grids take the last query tiles first: they see
+    the most keys, so the short tiles fill the tail of the schedule."""
+    if CAUSAL:
+        tile_m = tl.cdiv(n_q, BLOCK_M) - 1 - tl.program_id(0)
+    else:
+        tile_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    return tile_m * BLOCK_M, (pid_bh // n_heads).to(tl.int64), (pid_bh % n_heads).to(tl.int64), pid_bh
+
+
+@triton.jit
+def _key_ranges(start_m, n_q, n_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(full_end, key_end)``: key tiles in ``[0, full_end)`` are whole and visible to every query of the
+    tile (no mask); ``[full_end, key_end)`` are the diagonal / ragged tiles that need one."""
+    if CAUSAL:
+        shift = n_k - n_q
+        # every query of the tile sees keys j <= start_m + shift; some query sees j <= start_m + BLOCK_M - 1 + shift
+        full_end = tl.minimum(tl.maximum(start_m + shift + 1, 0), n_k) // BLOCK_N * BLOCK_N
+        key_end = tl.minimum(tl.maximum(start_m + BLOCK_M + shift, 0), n_k)
+    else:
+        full_end = n_k // BLOCK_N * BLOCK_N
+        key_end = n_k
+    return full_end, key_end
+
+
+# ----------------------------------------------------------------------------------------------------
 # forward
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
@@ -84,16 +114,7 @@ def _fwd_kernel(
     n_heads, n_q, n_k, d_head, qk_scale,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # ---- which tile: causal grids run the last (longest) query tiles first
-    n_m_tiles = tl.cdiv(n_q, BLOCK_M)
-    if CAUSAL:
-        tile_m = n_m_tiles - 1 - tl.program_id(0)
-    else:
-        tile_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // n_heads).to(tl.int64)
-    h = (pid_bh % n_heads).to(tl.int64)
-    start_m = tile_m * BLOCK_M
+    start_m, b, h, pid_bh = _query_tile(n_q, n_heads, CAUSAL, BLOCK_M)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -112,14 +133,7 @@ def _fwd_kernel(
 
     # ---- key ranges: [0, full_end) unmasked, [full_end, key_end) masked (diagonal / ragged edge)
     causal_shift = n_k - n_q
-    if CAUSAL:
-        # keys every query of the tile sees: j <= start_m + shift
-        full_end = tl.minimum(tl.maximum(start_m + causal_shift + 1, 0), n_k) // BLOCK_N * BLOCK_N
-        # keys some query of the tile sees: j <= start_m + BLOCK_M - 1 + shift
-        key_end = tl.minimum(tl.maximum(start_m + BLOCK_M + causal_shift, 0), n_k)
-    else:
-        full_end = n_k // BLOCK_N * BLOCK_N
-        key_end = n_k
+    full_end, key_end = _key_ranges(start_m, n_q, n_k, CAUSAL, BLOCK_M, BLOCK_N)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n,
                                d_mask, 0, full_end, n_k, causal_shift, qk_scale,
                                MASKED=False, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N)
@@ -249,7 +263,8 @@ def _bwd_dkdv_kernel(
 @triton.jit
 def _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask,
                   k_start, k_end, n_k, causal_shift, qk_scale,
-                  MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Fold key tiles ``[k_start, k_end)`` into dQ; padding keys load as zero and add nothing."""
     for start_n in range(k_start, k_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kv_mask = (offs_n[:, None] < n_k) & d_mask[None, :]
@@ -259,7 +274,7 @@ def _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, o
         # ---- P = exp(S - L), dP = dO Vᵀ, dS = P (dP - D), dQ += dS K
         s = tl.dot(q, tl.trans(k)) * qk_scale
         p = tl.math.exp2(s - lse[:, None])
-        if MASKED:
+        if MASKED and CAUSAL:
             p = tl.where(offs_n[None, :] <= offs_m[:, None] + causal_shift, p, 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
@@ -276,15 +291,7 @@ def _bwd_dq_kernel(
     n_heads, n_q, n_k, d_head, qk_scale, sm_scale,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    n_m_tiles = tl.cdiv(n_q, BLOCK_M)
-    if CAUSAL:
-        tile_m = n_m_tiles - 1 - tl.program_id(0)
-    else:
-        tile_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // n_heads).to(tl.int64)
-    h = (pid_bh % n_heads).to(tl.int64)
-    start_m = tile_m * BLOCK_M
+    start_m, b, h, pid_bh = _query_tile(n_q, n_heads, CAUSAL, BLOCK_M)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < d_head
@@ -302,16 +309,11 @@ def _bwd_dq_kernel(
     v_ptrs = V + b * stride_vb + h * stride_vh + offs_d[None, :]
 
     causal_shift = n_k - n_q
-    if CAUSAL:
-        full_end = tl.minimum(tl.maximum(start_m + causal_shift + 1, 0), n_k) // BLOCK_N * BLOCK_N
-        key_end = tl.minimum(tl.maximum(start_m + BLOCK_M + causal_shift, 0), n_k)
-    else:
-        full_end = n_k
-        key_end = n_k
+    full_end, key_end = _key_ranges(start_m, n_q, n_k, CAUSAL, BLOCK_M, BLOCK_N)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask,
-                       0, full_end, n_k, causal_shift, qk_scale, MASKED=False, BLOCK_N=BLOCK_N)
+                       0, full_end, n_k, causal_shift, qk_scale, MASKED=False, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask,
-                       full_end, key_end, n_k, causal_shift, qk_scale, MASKED=True, BLOCK_N=BLOCK_N)
+                       full_end, key_end, n_k, causal_shift, qk_scale, MASKED=True, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N)
 
     dq = dq * sm_scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + rows_m * stride_dqm + offs_d[None, :],
