@@ -158,6 +158,9 @@ def benchmark_train_steps(preset: str, seqs: list[int], batch: int, impls: list[
                                           flops / s["mean_s"] / peak if peak else None, mem.get("peak_bytes")))
             except torch.cuda.OutOfMemoryError:
                 results.append(StepResult(preset, impl, batch, seq, None, None, None, None, None, "out of memory"))
+            except Exception as e:  # e.g. a compile failure: report it in its row, keep measuring the rest
+                results.append(StepResult(preset, impl, batch, seq, None, None, None, None, None,
+                                          f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"))
             finally:
                 step = None
                 if device.type == "cuda":

@@ -200,7 +200,9 @@ def prepare_data(cfg: TrainConfig, out: Path, vocab_size: int, say=print):
             stamp.write_text(json.dumps(source))
             say(f"tokenizer: trained byte-level BPE, vocab {vocab_size}, in {time.perf_counter() - t0:.1f}s "
                 f"-> {tok_dir}")
-    cache = data_dir / f"tokens-{_fingerprint(path)}-{hashlib.sha1(str(sorted(tokenizer.vocab.items())[-50:]).encode()).hexdigest()[:8]}.npy"
+    # the cache is keyed by the text file and by the tokenizer's own files, so either changing re-encodes
+    tok_hash = hashlib.sha1(b"".join(p.read_bytes() for p in find_tokenizer_files(tok_dir))).hexdigest()[:8]
+    cache = data_dir / f"tokens-{_fingerprint(path)}-{tok_hash}.npy"
     if not cache.exists():
         info = encode_file(tokenizer, path, cache, progress=cfg.progress)
         say(f"data: tokenised {info['bytes'] / 1e6:.2f} MB into {info['tokens']:,} tokens "
