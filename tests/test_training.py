@@ -234,6 +234,10 @@ def test_cli_bad_inputs_exit_nonzero_with_one_line(tmp_path):
     assert r.returncode == 2 and "unknown preset" in r.stderr
     r = _cli("accounting", "--preset", "nope")
     assert r.returncode == 2 and "unknown preset" in r.stderr
+    if not torch.cuda.is_available():
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        r = _cli("train", "--backend", "triton", "--out", str(tmp_path / "t"), "--max-steps", "1", env=env)
+        assert r.returncode == 2 and "TRITON_INTERPRET=1" in r.stderr and r.stderr.strip().count("\n") == 0
 
 
 def test_cli_main_job_on_embedded_corpus(tmp_path):

@@ -269,6 +269,19 @@ def train(cfg: TrainConfig, say=print) -> dict:
     if cfg.max_steps <= 0 or cfg.batch_size <= 0 or cfg.grad_accum <= 0:
         raise TrainError("--max-steps, --batch-size and --grad-accum must be positive")
 
+    from .modules.model import resolve_backend
+
+    try:
+        backend = resolve_backend(cfg.backend, device)
+    except ValueError as e:
+        raise TrainError(str(e)) from None
+    if backend == "triton" and device.type != "cuda":
+        from .kernels import INTERPRETING
+
+        if not INTERPRETING:  # fail before any data work, with the fix in the message
+            raise TrainError("--backend triton needs a CUDA device; on CPU it runs only under Triton's interpreter "
+                             "(set TRITON_INTERPRET=1 in the environment; slow) -- or use --backend reference/auto")
+
     # ---- data and tokenizer (rank 0 prepares, the others wait and reuse the cache)
     if dist_info.world > 1 and not main:
         torch.distributed.barrier()
@@ -289,7 +302,7 @@ def train(cfg: TrainConfig, say=print) -> dict:
 
     # ---- model and optimizer
     torch.manual_seed(cfg.seed)
-    model = TransformerLM.from_config(mcfg, device=device, backend=cfg.backend)
+    model = TransformerLM.from_config(mcfg, device=device, backend=backend)
     model.token_embeddings.check_ids = False  # every id was checked against the vocab above, once
     say(f"model: preset {cfg.preset}, {accounting.param_count(mcfg) / 1e6:.2f}M parameters, "
         f"backend {model.backend} on {device}" + (f" ({dist_info.world} ranks)" if dist_info.world > 1 else ""))
