@@ -60,7 +60,7 @@ def cmd_accounting(args) -> int:
     print(_table([[k, _fmt_bytes(v)] for k, v in mem.items()], ["item", "bytes"]))
 
     print("\nscaling: forward FLOPs by preset and sequence length (attention-matmul share)")
-    seqs = [s for s in (512, 1024, 2048, 4096, 8192, 16384)]
+    seqs = [512, 1024, 2048, 4096, 8192, 16384]
     rows = []
     for name in [p for p in PRESETS if p != "tiny"]:
         c = ModelConfig.preset(name)

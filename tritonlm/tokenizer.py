@@ -27,9 +27,6 @@ import regex
 #: GPT-2's pre-tokenisation pattern.
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 _PRETOKEN = regex.compile(GPT2_PATTERN)
-#: A newline between two non-space characters: cutting the text right after it cannot change how the
-#: regex splits either side (no whitespace run or optional leading space crosses it).
-_SAFE_NEWLINE = regex.compile(r"(?<=\S)\n(?=\S)")
 
 #: Rank entry of a pair with no merge: sorts after every real (rank, merged id).
 _NO_MERGE = (1 << 62, -1)
@@ -59,7 +56,9 @@ def _count_pretokens(text: str, special_tokens: list[str]) -> Counter:
     return counts
 
 
-#: A newline between two printable ASCII characters, as bytes (see _SAFE_NEWLINE).
+#: A newline between two printable ASCII (non-space) bytes: cutting the text right after it cannot change
+#: how the regex splits either side (no whitespace run or optional leading space crosses it). ASCII only,
+#: because a byte >= 0x80 may belong to a multi-byte whitespace character such as U+00A0.
 _SAFE_NEWLINE_BYTES = regex.compile(rb"(?<=[\x21-\x7e])\n(?=[\x21-\x7e])")
 
 
