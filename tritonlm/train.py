@@ -230,6 +230,23 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+def runnable_backend(backend: str, device: torch.device) -> str:
+    """Resolve ``auto`` and refuse a Triton backend that cannot run on ``device`` (a clear error, no fallback)."""
+    from .modules.model import resolve_backend
+
+    try:
+        backend = resolve_backend(backend, device)
+    except ValueError as e:
+        raise TrainError(str(e)) from None
+    if backend == "triton" and device.type != "cuda":
+        from .kernels import INTERPRETING
+
+        if not INTERPRETING:
+            raise TrainError("--backend triton needs a CUDA device; on CPU it runs only under Triton's interpreter "
+                             "(set TRITON_INTERPRET=1 in the environment; slow) -- or use --backend reference/auto")
+    return backend
+
+
 def _param_groups(model: torch.nn.Module, weight_decay: float):
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -269,18 +286,7 @@ def train(cfg: TrainConfig, say=print) -> dict:
     if cfg.max_steps <= 0 or cfg.batch_size <= 0 or cfg.grad_accum <= 0:
         raise TrainError("--max-steps, --batch-size and --grad-accum must be positive")
 
-    from .modules.model import resolve_backend
-
-    try:
-        backend = resolve_backend(cfg.backend, device)
-    except ValueError as e:
-        raise TrainError(str(e)) from None
-    if backend == "triton" and device.type != "cuda":
-        from .kernels import INTERPRETING
-
-        if not INTERPRETING:  # fail before any data work, with the fix in the message
-            raise TrainError("--backend triton needs a CUDA device; on CPU it runs only under Triton's interpreter "
-                             "(set TRITON_INTERPRET=1 in the environment; slow) -- or use --backend reference/auto")
+    backend = runnable_backend(cfg.backend, device)  # fails before any data work, with the fix in the message
 
     # ---- data and tokenizer (rank 0 prepares, the others wait and reuse the cache)
     if dist_info.world > 1 and not main:
@@ -558,6 +564,7 @@ def load_for_generation(checkpoint_dir, device="auto", backend="auto"):
     if not ckpt.exists():
         raise TrainError(f"no checkpoint at {ckpt}")
     dev = resolve_device(device)
+    backend = runnable_backend(backend, dev)
     payload = read_checkpoint(ckpt, map_location=dev)
     mcfg = ModelConfig.from_dict(payload["model_config"])
     model = TransformerLM.from_config(mcfg, device=dev, backend=backend)
