@@ -125,6 +125,8 @@ def test_bad_inputs(fn):
         fn.apply(q, torch.randn(3, 5, 16), torch.randn(3, 5, 16))
     with pytest.raises(ValueError, match="keys"):
         fn.apply(q, torch.randn(2, 5, 16), torch.randn(2, 6, 16))
+    with pytest.raises(ValueError, match="devices"):
+        fn.apply(q, torch.randn(2, 5, 16, device="meta"), torch.randn(2, 5, 16, device="meta"))
     if fn is FlashAttention:
         with pytest.raises(ValueError, match="256"):
             fn.apply(torch.randn(1, 2, 512), torch.randn(1, 2, 512), torch.randn(1, 2, 512))
