@@ -76,6 +76,17 @@ def _rms_norm_fwd_kernel(
 
 
 @triton.jit
+def _load_bwd_chunk(X, DY, W, rows64, row_mask, start, cols, n_cols, stride_x_row, stride_dy_row):
+    """x, dy (fp32, ``[BLOCK_M, BLOCK_N]``) and w (``[BLOCK_N]``) for the columns ``start + cols``, with masks."""
+    col_mask = start + cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = tl.load(X + rows64 * stride_x_row + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + rows64 * stride_dy_row + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + start + cols, mask=col_mask, other=0.0).to(tl.float32)
+    return x, dy, w, mask, col_mask
+
+
+@triton.jit
 def _rms_norm_bwd_kernel(
     DY, X, W, RSTD, DX, DW_PARTIAL,
     stride_dy_row, stride_x_row, stride_dx_row, n_rows, n_cols, blocks_per_program,
@@ -120,20 +131,14 @@ def _rms_norm_bwd_kernel(
             # ---- pass 1: mean(g * xhat)
             gx_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_N):
-                col_mask = start + cols < n_cols
-                mask = row_mask[:, None] & col_mask[None, :]
-                x = tl.load(X + rows64 * stride_x_row + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                dy = tl.load(DY + rows64 * stride_dy_row + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                w = tl.load(W + start + cols, mask=col_mask, other=0.0).to(tl.float32)
+                x, dy, w, mask, col_mask = _load_bwd_chunk(X, DY, W, rows64, row_mask, start, cols, n_cols,
+                                                           stride_x_row, stride_dy_row)
                 gx_acc += dy * w[None, :] * x
             mean_gx = tl.sum(gx_acc, axis=1) * rstd / n_cols
             # ---- pass 2: dx, and dweight into this program's partial row
             for start in range(0, n_cols, BLOCK_N):
-                col_mask = start + cols < n_cols
-                mask = row_mask[:, None] & col_mask[None, :]
-                x = tl.load(X + rows64 * stride_x_row + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                dy = tl.load(DY + rows64 * stride_dy_row + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                w = tl.load(W + start + cols, mask=col_mask, other=0.0).to(tl.float32)
+                x, dy, w, mask, col_mask = _load_bwd_chunk(X, DY, W, rows64, row_mask, start, cols, n_cols,
+                                                           stride_x_row, stride_dy_row)
                 xhat = x * rstd[:, None]
                 dx = (dy * w[None, :] - xhat * mean_gx[:, None]) * rstd[:, None]
                 tl.store(DX + rows64 * stride_dx_row + start + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
