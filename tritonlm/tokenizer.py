@@ -416,17 +416,24 @@ class Tokenizer:
         alternative of the pattern is decided within the next two characters (contractions are at most
         three long, greedy runs stop at a character that is present, the whitespace lookahead sees one).
         """
+        # 1. the earliest position from which the tail could still grow into a special token
         limit = len(buf)
-        for tok in self.special_tokens:
-            for k in range(min(len(tok), len(buf)), 0, -1):
-                # a proper prefix of a special token, or a whole one that is a prefix of a longer one
-                if buf.endswith(tok[:k]) and (k < len(tok) or any(
-                        len(o) > len(tok) and o.startswith(tok) for o in self.special_tokens)):
-                    limit = min(limit, len(buf) - k)
-                    break
+        longest = max((len(t) for t in self.special_tokens), default=0)
+        for p in range(max(0, len(buf) - longest + 1), len(buf)):
+            tail = buf[p:]
+            if any(len(t) > len(tail) and t.startswith(tail) for t in self.special_tokens):
+                limit = p
+                break
+        # 2. special tokens matched in the whole buffer (as encode would); one that runs past the limit is
+        #    itself undecided, so the limit moves to its start
         seg_start = 0
         if self._splitter is not None:
-            for m in self._splitter.finditer(buf, 0, limit):
+            for m in self._splitter.finditer(buf):
+                if m.start() >= limit:
+                    break
+                if m.end() > limit:
+                    limit = m.start()
+                    break
                 seg_start = m.end()
         pieces = _PRETOKEN.findall(buf, seg_start, limit)
         return seg_start, pieces[:-2]
