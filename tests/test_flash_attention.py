@@ -5,6 +5,8 @@ import math
 import pytest
 import torch
 from einops import einsum
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tritonlm.kernels import FlashAttention, FlashAttentionTorch, flash_attention
 
@@ -130,3 +132,10 @@ def test_bad_inputs(fn):
     if fn is FlashAttention:
         with pytest.raises(ValueError, match="256"):
             fn.apply(torch.randn(1, 2, 512), torch.randn(1, 2, 512), torch.randn(1, 2, 512))
+
+
+@settings(max_examples=8, deadline=None)
+@given(n_q=st.integers(1, 70), n_k=st.integers(1, 70), d=st.sampled_from([8, 24, 48, 96]),
+       is_causal=st.booleans(), heads=st.integers(1, 2))
+def test_triton_random_shapes(n_q, n_k, d, is_causal, heads):
+    _check(FlashAttention, (1, heads, n_q, d), n_k, is_causal, torch.float32)
