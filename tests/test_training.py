@@ -220,6 +220,11 @@ def test_bad_inputs(tmp_path, corpus):
         train(_cfg(corpus, tmp_path / "p", preset="gigantic"), say=lambda *a: None)
     with pytest.raises(TrainError, match="resume"):
         train(_cfg(corpus, tmp_path / "r", resume=True), say=lambda *a: None)
+    train(_cfg(corpus, tmp_path / "r", max_steps=2, sample_tokens=0), say=lambda *a: None)
+    other = _cfg(corpus, tmp_path / "r", resume=True, max_steps=4)
+    other.model_overrides = {**other.model_overrides, "d_model": 64}
+    with pytest.raises(TrainError, match="d_model 32 vs 64"):
+        train(other, say=lambda *a: None)
 
 
 def _cli(*args, env=None, timeout=600):

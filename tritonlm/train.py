@@ -320,6 +320,12 @@ def train(cfg: TrainConfig, say=print) -> dict:
         if not ckpt_path.exists():
             raise TrainError(f"--resume: no checkpoint in {out}")
         payload = read_checkpoint(ckpt_path, map_location=device)
+        saved = payload.get("model_config", {})
+        diff = {k: (v, getattr(mcfg, k)) for k, v in saved.items() if getattr(mcfg, k, v) != v}
+        if diff:
+            raise TrainError(f"--resume: {ckpt_path} was trained with a different model ("
+                             + ", ".join(f"{k} {a} vs {b} now" for k, (a, b) in diff.items())
+                             + "); pass the same --preset/--data/size flags as the first run")
         model.load_state_dict(payload["model"])  # full weights, before any sharding
         start_step = int(payload["iteration"])
         restore_rng_state(payload["rng"])
