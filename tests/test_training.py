@@ -286,3 +286,22 @@ def test_ddp_and_fsdp_two_processes_gloo_match_single_process(tmp_path, corpus):
     for k in a:
         assert type(a[k]) is torch.Tensor  # full tensors, not shards
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
+
+
+def test_optimizer_state_converts_between_index_and_name_keys():
+    from tritonlm.train import _optimizer_state_keyed, _param_groups, _param_names
+
+    model = _model()
+    opt = AdamW(_param_groups(model, 0.1), lr=1e-2)
+    model(torch.randint(0, 50, (2, 8))).sum().backward()
+    opt.step()
+    by_index = opt.state_dict()
+    names = _param_names(model)
+    by_name = _optimizer_state_keyed(by_index, names, by_name=True)
+    assert set(by_name["state"]) <= set(names) and by_name["param_groups"][0]["params"][0] == names[0]
+    back = _optimizer_state_keyed(by_name, names, by_name=False)
+    fresh = AdamW(_param_groups(_model(), 0.1), lr=1e-2)
+    fresh.load_state_dict(back)
+    for k, v in fresh.state_dict()["state"].items():
+        torch.testing.assert_close(v["exp_avg"], by_index["state"][k]["exp_avg"])
+    assert _optimizer_state_keyed(by_index, names, by_name=False) is by_index  # already in that form

@@ -247,6 +247,24 @@ def runnable_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def _param_names(model: torch.nn.Module) -> list[str]:
+    """Parameter names in the optimizer's order (the groups of :func:`_param_groups`, concatenated)."""
+    named = list(model.named_parameters())
+    return [n for n, p in named if p.dim() >= 2] + [n for n, p in named if p.dim() < 2]
+
+
+def _optimizer_state_keyed(state: dict, names: list[str], by_name: bool) -> dict:
+    """An optimizer state dict keyed by parameter index (``optimizer.state_dict()``) or by name (the full
+    state dict FSDP checkpoints hold), converted to the form wanted, so a run can resume with or without
+    ``--fsdp`` whichever way it was saved."""
+    keys = [k for group in state["param_groups"] for k in group["params"]]
+    if not keys or isinstance(keys[0], str) == by_name:
+        return state
+    to_new = dict(zip(range(len(names)), names)) if by_name else {n: i for i, n in enumerate(names)}
+    return {"state": {to_new[k]: v for k, v in state["state"].items()},
+            "param_groups": [{**g, "params": [to_new[k] for k in g["params"]]} for g in state["param_groups"]]}
+
+
 def _param_groups(model: torch.nn.Module, weight_decay: float):
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -351,13 +369,13 @@ def train(cfg: TrainConfig, say=print) -> dict:
         train_model = model
     optimizer = AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     if payload is not None:
+        optim_state = _optimizer_state_keyed(payload["optimizer"], _param_names(model), by_name=cfg.fsdp)
         if cfg.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-            set_optimizer_state_dict(model, optimizer, payload["optimizer"],
-                                     options=StateDictOptions(full_state_dict=True))
+            set_optimizer_state_dict(model, optimizer, optim_state, options=StateDictOptions(full_state_dict=True))
         else:
-            optimizer.load_state_dict(payload["optimizer"])
+            optimizer.load_state_dict(optim_state)
         payload = None
     if cfg.compile:
         train_model = torch.compile(train_model)
