@@ -11,6 +11,18 @@ import regex
 
 from tritonlm.tokenizer import GPT2_PATTERN, Tokenizer, encode_file, train_bpe
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _cut_after_every_chunk():
+    """Streaming normally gathers ~8K characters before cutting; cut after every chunk here so that the
+    cut logic (held-back pre-tokens and special tokens) is exercised at every chunk boundary."""
+    import tritonlm.tokenizer as T
+
+    saved, T.STREAM_BUFFER_CHARS = T.STREAM_BUFFER_CHARS, 1
+    yield
+    T.STREAM_BUFFER_CHARS = saved
+
+
 SEED_TEXT = "low low low low low lower lower widest widest widest newest newest newest newest newest newest"
 
 
@@ -153,15 +165,24 @@ def test_streaming_memory_is_bounded(gpt2, shared_data):
 
     line = (shared_data / "tinyshakespeare.txt").read_text(encoding="utf-8")[:5000]
 
-    def lines():
+    def repeated():
         for _ in range(400):  # 2 MB of text, never held at once
             yield line
 
-    tracemalloc.start()
-    count = sum(1 for _ in gpt2.encode_iterable(lines()))
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    assert count > 0 and peak < 1_000_000
+    def distinct_words():
+        # ~0.3 MB of ~45K distinct words: a pre-token cache that kept them all would need ~10 MB
+        import random
+
+        rng = random.Random(0)
+        for _ in range(300):
+            yield " ".join("".join(rng.choice("abcdefghijklmnop") for _ in range(6)) for _ in range(150)) + "\n"
+
+    for stream in (repeated, distinct_words):
+        tracemalloc.start()
+        count = sum(1 for _ in gpt2.encode_iterable(stream()))
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert count > 0 and peak < 1_000_000, (stream.__name__, peak)
 
 
 def test_round_trip_save_and_reload(tmp_path):
@@ -195,3 +216,15 @@ def test_encode_file_matches_encode(gpt2, tmp_path):
         arr = np.load(tmp_path / "out.npy", mmap_mode="r")
         assert arr.dtype == np.uint16 and info["tokens"] == len(arr)
         assert arr.tolist() == gpt2.encode(text)
+
+
+def test_streaming_with_default_buffering_equals_encode(gpt2, shared_data):
+    import tritonlm.tokenizer as T
+
+    text = (shared_data / "tinyshakespeare.txt").read_text(encoding="utf-8")[:60_000] + "<|endoftext|> end"
+    saved, T.STREAM_BUFFER_CHARS = T.STREAM_BUFFER_CHARS, 8192
+    try:
+        lines = text.splitlines(keepends=True)
+        assert list(gpt2.encode_iterable(lines)) == gpt2.encode(text)
+    finally:
+        T.STREAM_BUFFER_CHARS = saved

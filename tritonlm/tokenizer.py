@@ -278,19 +278,28 @@ def _from_unicode(text: str) -> bytes:
 # encoder
 # ----------------------------------------------------------------------------------------------------
 class _PieceCache(dict):
-    """pre-token -> token ids; a miss runs BPE. Bounded so pathological inputs cannot grow it forever."""
+    """pre-token -> token ids; a miss runs BPE. Bounded: when full it starts over (frequent pre-tokens come
+    straight back), so memory stays capped whatever the input."""
 
-    MAX_ENTRIES = 1_000_000
-
-    def __init__(self, bpe):
+    def __init__(self, bpe, max_entries: int):
         super().__init__()
         self._bpe = bpe
+        self.max_entries = max_entries
 
     def __missing__(self, piece: str) -> tuple[int, ...]:
         ids = self._bpe(piece)
-        if len(self) < self.MAX_ENTRIES:
-            self[piece] = ids
+        if len(self) >= self.max_entries:
+            self.clear()
+        self[piece] = ids
         return ids
+
+
+#: Pre-token cache sizes: ``encode`` keeps up to 200K entries (tens of MB at most); a streaming
+#: ``encode_iterable`` call keeps its own 2K-entry cache (a few hundred KB), so its memory stays bounded.
+ENCODE_CACHE_ENTRIES = 200_000
+STREAM_CACHE_ENTRIES = 2_048
+#: ``encode_iterable`` gathers this many characters before cutting off what is final.
+STREAM_BUFFER_CHARS = 1 << 13
 
 
 class Tokenizer:
@@ -324,7 +333,7 @@ class Tokenizer:
             self._ranks.setdefault(key, (rank, merged))
         self._special_ids = {t: self._id_of[t.encode("utf-8")] for t in self.special_tokens}
         self._splitter = _special_splitter(self.special_tokens)
-        self._cache = _PieceCache(self._bpe)
+        self._cache = _PieceCache(self._bpe, ENCODE_CACHE_ENTRIES)
 
     # -- construction from / to files ------------------------------------------------------------
     @classmethod
@@ -383,24 +392,28 @@ class Tokenizer:
                 pair_ranks[i - 1] = ranks.get((ids[i - 1], ids[i]), none)
         return tuple(ids)
 
-    def _encode_ordinary(self, text: str, out: list[int]) -> None:
+    @staticmethod
+    def _encode_ordinary(text: str, out: list[int], cache: _PieceCache) -> None:
         # the lookups run in C (map over the cache's __getitem__); only unseen pre-tokens reach Python
-        out.extend(chain.from_iterable(map(self._cache.__getitem__, _PRETOKEN.findall(text))))
+        out.extend(chain.from_iterable(map(cache.__getitem__, _PRETOKEN.findall(text))))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (special tokens become their single ids)."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects str, got {type(text).__name__}")
+        return self._encode_with(text, self._cache)
+
+    def _encode_with(self, text: str, cache: _PieceCache) -> list[int]:
         out: list[int] = []
         if self._splitter is None:
-            self._encode_ordinary(text, out)
+            self._encode_ordinary(text, out, cache)
             return out
         pos = 0
         for m in self._splitter.finditer(text):
-            self._encode_ordinary(text[pos:m.start()], out)
+            self._encode_ordinary(text[pos:m.start()], out, cache)
             out.append(self._special_ids[m.group()])
             pos = m.end()
-        self._encode_ordinary(text[pos:], out)
+        self._encode_ordinary(text[pos:], out, cache)
         return out
 
     def _safe_cut(self, buf: str) -> tuple[int, list[str]]:
@@ -440,22 +453,26 @@ class Tokenizer:
 
     def encode_iterable(self, iterable: Iterable[str]) -> Iterator[int]:
         """Stream token ids for an iterable of strings (e.g. an open text file); identical to ``encode``
-        on the concatenation, with memory bounded by the longest pre-token, not the input."""
+        on the concatenation, with memory bounded by the longest pre-token and a small private pre-token
+        cache, not by the input."""
+        cache = _PieceCache(self._bpe, STREAM_CACHE_ENTRIES)
         buf = ""
         for chunk in iterable:
             if not isinstance(chunk, str):
                 raise TypeError(f"encode_iterable expects strings, got {type(chunk).__name__}")
             buf += chunk
+            if len(buf) < STREAM_BUFFER_CHARS:
+                continue  # cutting costs a regex pass over the buffer: do it per ~8K characters
             seg_start, pieces = self._safe_cut(buf)
             if seg_start:
-                yield from self.encode(buf[:seg_start])
+                yield from self._encode_with(buf[:seg_start], cache)
             cut = seg_start
             for piece in pieces:
-                yield from self._cache[piece]
+                yield from cache[piece]
                 cut += len(piece)
             buf = buf[cut:]
         if buf:
-            yield from self.encode(buf)
+            yield from self._encode_with(buf, cache)
 
     # -- decoding ----------------------------------------------------------------------------------
     def decode(self, ids: Iterable[int]) -> str:
