@@ -49,3 +49,14 @@ def tolerance(dtype: torch.dtype) -> dict:
     """Usual comparison tolerances of a low-precision result against an fp32/fp64 reference."""
     return {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
             torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float64: dict(atol=1e-10, rtol=1e-10)}[dtype]
+
+
+@pytest.fixture(scope="module")
+def stream_cut_every_chunk():
+    """Streaming normally gathers ~8K characters before cutting; cut after every chunk instead so that the
+    cut logic (held-back pre-tokens and special tokens) is exercised at every chunk boundary."""
+    import tritonlm.tokenizer as T
+
+    saved, T.STREAM_BUFFER_CHARS = T.STREAM_BUFFER_CHARS, 1
+    yield
+    T.STREAM_BUFFER_CHARS = saved

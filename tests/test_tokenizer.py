@@ -11,16 +11,7 @@ import regex
 
 from tritonlm.tokenizer import GPT2_PATTERN, Tokenizer, encode_file, train_bpe
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _cut_after_every_chunk():
-    """Streaming normally gathers ~8K characters before cutting; cut after every chunk here so that the
-    cut logic (held-back pre-tokens and special tokens) is exercised at every chunk boundary."""
-    import tritonlm.tokenizer as T
-
-    saved, T.STREAM_BUFFER_CHARS = T.STREAM_BUFFER_CHARS, 1
-    yield
-    T.STREAM_BUFFER_CHARS = saved
+pytestmark = pytest.mark.usefixtures("stream_cut_every_chunk")
 
 
 SEED_TEXT = "low low low low low lower lower widest widest widest newest newest newest newest newest newest"

@@ -6,16 +6,7 @@ from hypothesis import strategies as st
 
 from tritonlm.tokenizer import Tokenizer
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _cut_after_every_chunk():
-    """Streaming normally gathers ~8K characters before cutting; cut after every chunk here so that the
-    cut logic (held-back pre-tokens and special tokens) is exercised at every chunk boundary."""
-    import tritonlm.tokenizer as T
-
-    saved, T.STREAM_BUFFER_CHARS = T.STREAM_BUFFER_CHARS, 1
-    yield
-    T.STREAM_BUFFER_CHARS = saved
+pytestmark = pytest.mark.usefixtures("stream_cut_every_chunk")
 
 
 ALPHABET = st.sampled_from(list("ab c\n\t  'sll日本🙂é<|>endoftx0123.,!") + ["<|endoftext|>", "we'll", "\r\n"])
