@@ -216,7 +216,10 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     cfg = _launch_config(n_cols)
     n_blocks = triton.cdiv(n_rows, cfg["BLOCK_M"])
     n_programs = num_persistent_programs(x, n_blocks)
-    dw_partial = torch.zeros((n_programs, n_cols), dtype=torch.float32, device=x.device)
+    # every program writes its whole partial row when rows fit in registers; the chunked path
+    # accumulates into it, so only that path needs it zeroed (saves a memset launch otherwise)
+    alloc = torch.empty if cfg["ROW_IN_REGISTERS"] and n_rows else torch.zeros
+    dw_partial = alloc((n_programs, n_cols), dtype=torch.float32, device=x.device)
     if n_rows:
         _rms_norm_bwd_kernel[(n_programs,)](
             dy_rows, x_rows, weight, rstd, dx, dw_partial, dy_rows.stride(0), x_rows.stride(0), n_cols,

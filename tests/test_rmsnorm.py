@@ -105,3 +105,11 @@ def test_fp32_weight_with_low_precision_input_under_autocast():
         y = rms_norm(x, w)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), TF.rms_norm(x.float(), (32,), w, 1e-5), atol=2e-2, rtol=2e-2)
+
+
+def test_zero_rows_give_zero_weight_gradient():
+    x = torch.randn(0, 16, requires_grad=True)
+    w = torch.randn(16, requires_grad=True)
+    rms_norm(x, w).sum().backward()
+    assert x.grad.shape == (0, 16)
+    assert torch.equal(w.grad, torch.zeros(16))
