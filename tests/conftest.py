@@ -8,6 +8,7 @@ no interpreter, tensors created on CUDA by default, and fp32 attention compared 
 (an fp32 ``tl.dot`` runs on TF32 tensor cores).
 """
 
+import contextlib
 import os
 
 DEVICE = os.environ.get("TRITONLM_TEST_DEVICE", "cpu")
@@ -27,9 +28,37 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 if ON_CUDA:
     torch.set_default_device(DEVICE)
 
-#: fp32 tolerance for results that go through attention's tl.dot (TF32 on GPUs, exact in the interpreter)
-FP32_ATTENTION_TOL = 5e-3 if ON_CUDA else 1e-4
+#: fp32 tolerance for results that go through attention's tl.dot: TF32 on GPUs (10-bit mantissa operands),
+#: exact fp32 in the interpreter. The GPU figure is checked on CPU under ``emulated_tf32_dots``.
+GPU_FP32_ATTENTION_TOL = 5e-3
+FP32_ATTENTION_TOL = GPU_FP32_ATTENTION_TOL if ON_CUDA else 1e-4
 cpu_only = pytest.mark.skipif(ON_CUDA, reason="checks CPU/interpreter behaviour")
+
+
+@contextlib.contextmanager
+def emulated_tf32_dots():
+    """Inside the block, the interpreter's ``tl.dot`` drops the low 13 mantissa bits of fp32 operands, the
+    worst case of what TF32 tensor cores do with them, so GPU tolerances can be checked on a CPU."""
+    import numpy as np
+    from triton.runtime import interpreter as interp
+
+    builder = interp.InterpreterBuilder
+    original = builder.create_dot
+
+    def truncate(h):
+        if h.dtype.scalar != interp.tl.float32:
+            return h
+        bits = np.ascontiguousarray(h.data, dtype=np.float32).view(np.uint32) & np.uint32(0xFFFFE000)
+        return interp.TensorHandle(bits.view(np.float32), interp.tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original(self, truncate(a), truncate(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = create_dot
+    try:
+        yield
+    finally:
+        builder.create_dot = original
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from tritonlm.kernels import FlashAttention, FlashAttentionTorch, flash_attention
 
-from conftest import FP32_ATTENTION_TOL
+from conftest import FP32_ATTENTION_TOL, GPU_FP32_ATTENTION_TOL, cpu_only, emulated_tf32_dots
 
 FUNCTIONS = [FlashAttentionTorch, FlashAttention]
 TOL = {torch.float32: FP32_ATTENTION_TOL, torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -35,7 +35,7 @@ def _saved_lse(out, q_shape):
     return saved[0]
 
 
-def _check(fn, q_shape, n_k, is_causal, dtype, scale=None):
+def _check(fn, q_shape, n_k, is_causal, dtype, scale=None, tol=None):
     q = torch.randn(q_shape, dtype=dtype, requires_grad=True)
     k = torch.randn(*q_shape[:-2], n_k, q_shape[-1], dtype=dtype, requires_grad=True)
     v = torch.randn(*q_shape[:-2], n_k, q_shape[-1], dtype=dtype, requires_grad=True)
@@ -45,7 +45,7 @@ def _check(fn, q_shape, n_k, is_causal, dtype, scale=None):
     out.backward(do)
     (q64, k64, v64), out64, lse64 = _fp64_attention(q, k, v, is_causal, scale)
     out64.backward(do.double())
-    tol = TOL[dtype]
+    tol = tol or TOL[dtype]
     assert out.dtype == dtype and torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), out64, atol=tol, rtol=tol)
     finite = torch.isfinite(lse64)
@@ -78,6 +78,17 @@ def test_uneven_query_key_lengths(fn, n_q, n_k):
 
 def test_triton_head_dim_128_and_custom_scale():
     _check(FlashAttention, (1, 2, 33, 128), 33, True, torch.float32, scale=0.3)
+
+
+@cpu_only
+@pytest.mark.parametrize("q_shape,n_k,is_causal,scale", [((1, 2, 33, 128), 33, True, 0.3), ((2, 128, 80), 128, False, None),
+                                                        ((1, 2, 40, 64), 20, True, None)])
+def test_fp32_gpu_tolerance_holds_with_tf32_operands(q_shape, n_k, is_causal, scale):
+    # what the GPU rerun of these tests asserts for fp32 (TF32 dots), checked here with TF32-truncated operands
+    with emulated_tf32_dots():
+        _check(FlashAttention, q_shape, n_k, is_causal, torch.float32, scale, tol=GPU_FP32_ATTENTION_TOL)
+        with pytest.raises(AssertionError):  # the emulation is in effect: the exact-fp32 tolerance fails
+            _check(FlashAttention, q_shape, n_k, is_causal, torch.float32, scale, tol=1e-4)
 
 
 def test_triton_head_split_view_input():

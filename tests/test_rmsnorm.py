@@ -101,7 +101,7 @@ def test_fp32_weight_with_low_precision_input_under_autocast():
     # autocast keeps master weights fp32 while activations are bf16: accepted, computed in fp32
     x = torch.randn(4, 32, dtype=torch.bfloat16)
     w = torch.randn(32)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):  # cuda when the suite reruns this on a GPU
         y = rms_norm(x, w)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), TF.rms_norm(x.float(), (32,), w, 1e-5), atol=2e-2, rtol=2e-2)
