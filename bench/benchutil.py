@@ -49,16 +49,40 @@ def peak_bytes(fn) -> int | None:
     return torch.cuda.max_memory_allocated() - base
 
 
-def liger():
-    """The Liger-Kernel ops module when installed (and usable here), else None."""
-    if not ON_GPU:
-        return None
-    try:
-        import liger_kernel.ops as ops  # noqa: F401
+@functools.cache
+def liger_impls() -> dict:
+    """Liger-Kernel's RMSNorm, SwiGLU gate and RoPE with the signatures our benchmarks call, when Liger-Kernel is
+    installed and a GPU is present (its kernels do not run in Triton's interpreter); else an empty dict.
 
-        return ops
+    ``"rope"`` is a factory: given our pair tables ``cos, sin`` ``[seq, d/2]`` it returns ``fn(q, k)``. Liger
+    follows the Hugging Face convention (rotate the two halves of a head, not adjacent pairs), so its tables
+    repeat each angle twice, ``[seq, d]``, in q's dtype as HF passes them: the same work and bytes, another
+    pairing. Liger rotates q and k in place; the outputs are concatenated like every other implementation's.
+    """
+    if not torch.cuda.is_available():
+        return {}
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+        from liger_kernel.ops.rope import LigerRopeFunction
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
     except Exception:
-        return None
+        return {}
+
+    def rope(cos, sin, dtype):
+        cos_hf, sin_hf = (torch.cat([t, t], dim=-1).to(dtype) for t in (cos, sin))
+        return lambda q, k: torch.cat(LigerRopeFunction.apply(q, k, cos_hf, sin_hf))
+
+    return {"rmsnorm": lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-5), "swiglu": LigerSiLUMulFunction.apply,
+            "rope": rope}
+
+
+def liger_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("liger-kernel")
+    except Exception:
+        return "not installed"
 
 
 @functools.cache

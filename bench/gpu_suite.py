@@ -83,6 +83,9 @@ def main() -> int:
                                            capture_output=True, text=True, timeout=30).stdout.strip()
         except Exception:
             env["driver"] = "unknown"
+    from benchutil import liger_version
+
+    env["liger_kernel"] = liger_version()
     report["environment"] = env
 
     from tritonlm.benchmarking import measure_copy_bandwidth, measure_matmul_peak

@@ -11,6 +11,8 @@ import torch.nn.functional as TF
 from tritonlm import ModelConfig, accounting
 from tritonlm.benchmarking import benchmark_train_steps, time_fn
 
+from benchutil import liger_impls
+
 
 def _ms(times):
     return 1e3 * statistics.median(times)
@@ -54,14 +56,7 @@ def op_rows(device, copy_bw, smoke=False, time_left=lambda: 1e9):
     def swi_ref(a, b):
         return F.silu(a) * b
 
-    liger = {}
-    try:
-        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
-
-        liger = {"rmsnorm": lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-5), "swiglu": LigerSiLUMulFunction.apply}
-    except Exception:
-        pass
+    liger = liger_impls() if device.type == "cuda" else {}
 
     rows = []
     for rows_, hidden in shapes:
@@ -99,6 +94,8 @@ def op_rows(device, copy_bw, smoke=False, time_left=lambda: 1e9):
             return torch.cat(apply_rope(q, k, None, cos=rope.cos_cached, sin=rope.sin_cached))
 
         rope_impls = {"reference": rope_ref, "tritonlm": rope_ours}
+        if "rope" in liger:
+            rope_impls["liger-kernel"] = liger["rope"](rope.cos_cached, rope.sin_cached, dtype)
         if (rows_, hidden) == compile_shape:
             rope_impls["torch.compile(reference)"] = torch.compile(rope_ref, dynamic=False)
         # the cat copies both outputs in every implementation; counted as traffic for all alike

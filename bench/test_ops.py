@@ -16,7 +16,7 @@ from tritonlm.kernels import apply_rope, flash_attention, rms_norm, swiglu_gate
 from tritonlm.modules import functional as F
 from tritonlm.modules import reference
 
-from benchutil import DEVICE, MACHINE, ON_GPU, compiled, liger, peak_bytes, run
+from benchutil import DEVICE, MACHINE, ON_GPU, compiled, liger_impls, peak_bytes, run
 
 DTYPE = torch.bfloat16 if ON_GPU else torch.float32
 ROWS_HIDDEN = [(4096, 768), (16384, 4096), (65536, 8192)] if ON_GPU else [(64, 256)]
@@ -68,11 +68,8 @@ def _rmsnorm_impls():
              "tritonlm": lambda x, w: rms_norm(x, w, 1e-5)}
     if ON_GPU:
         impls["torch.compile(reference)"] = compiled(reference_plain)
-        ops = liger()
-        if ops is not None:
-            from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-
-            impls["liger-kernel"] = lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-5)
+        if "rmsnorm" in liger_impls():
+            impls["liger-kernel"] = liger_impls()["rmsnorm"]
     return impls
 
 
@@ -94,10 +91,8 @@ def _swiglu_impls():
     impls = {"reference": plain, "tritonlm": swiglu_gate}
     if ON_GPU:
         impls["torch.compile(reference)"] = compiled(plain)
-        if liger() is not None:
-            from liger_kernel.ops.swiglu import LigerSiLUMulFunction
-
-            impls["liger-kernel"] = LigerSiLUMulFunction.apply
+        if "swiglu" in liger_impls():
+            impls["liger-kernel"] = liger_impls()["swiglu"]
     return impls
 
 
@@ -130,12 +125,14 @@ def _rope_impls(seq, d):
     impls = {"reference": ref, "tritonlm": ours}
     if ON_GPU:
         impls["torch.compile(reference)"] = compiled(ref)
+        if "rope" in liger_impls():
+            impls["liger-kernel"] = liger_impls()["rope"](rope.cos_cached, rope.sin_cached, DTYPE)
     return impls
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape", ROPE_SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("impl", ["reference", "tritonlm"] + (["torch.compile(reference)"] if ON_GPU else []))
+@pytest.mark.parametrize("impl", list(_rope_impls(8, 16)))
 def test_rope(benchmark, impl, shape, mode):
     b, seq, h, d = shape
     benchmark.group = f"rope q+k {mode} b{b} s{seq} h{h} d{d} {str(DTYPE)[6:]}"
