@@ -101,6 +101,16 @@ def as_4d(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+#: CUDA launches at most 65535 programs along grid axes 1 and 2 (axis 0: 2**31 - 1).
+MAX_GRID_AXIS1 = 65535
+
+
+def grid_axis1_launches(n_programs: int) -> list[tuple[int, int]]:
+    """``(start, count)`` per launch covering ``n_programs`` on grid axis 1 within CUDA's limit; the kernel adds
+    ``start`` to ``tl.program_id(1)``. One launch unless batch x heads exceeds 65535."""
+    return [(start, min(MAX_GRID_AXIS1, n_programs - start)) for start in range(0, n_programs, MAX_GRID_AXIS1)]
+
+
 @functools.lru_cache(maxsize=8)
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

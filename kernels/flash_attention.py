@@ -35,7 +35,16 @@ import triton
 import triton.language as tl
 
 from ..profiling import kernel_range
-from ._common import as_4d, check_device, check_float, gpu_capability, next_pow2, on_gpu, use_custom_op
+from ._common import (
+    as_4d,
+    check_device,
+    check_float,
+    gpu_capability,
+    grid_axis1_launches,
+    next_pow2,
+    on_gpu,
+    use_custom_op,
+)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -45,14 +54,15 @@ LN2 = 0.6931471805599453
 # tile bookkeeping shared by the forward and the dQ kernel (both walk key tiles for one query tile)
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
-def _query_tile(n_q, n_heads, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+def _query_tile(n_q, n_heads, bh_start, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
     """``(start_m, b, h, pid_bh)`` of this program. Causal grids take the last query tiles first: they see
-    the most keys, so the short tiles fill the tail of the schedule."""
+    the most keys, so the short tiles fill the tail of the schedule. Grid axis 1 walks (batch, head) pairs
+    from ``bh_start`` (CUDA caps that axis at 65535 programs: more pairs take several launches)."""
     if CAUSAL:
         tile_m = tl.cdiv(n_q, BLOCK_M) - 1 - tl.program_id(0)
     else:
         tile_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1) + bh_start
     return tile_m * BLOCK_M, (pid_bh // n_heads).to(tl.int64), (pid_bh % n_heads).to(tl.int64), pid_bh
 
 
@@ -111,10 +121,10 @@ def _fwd_kernel(
     Q, K, V, O, LSE,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
-    n_heads, n_q, n_k, d_head, qk_scale,
+    n_heads, bh_start, n_q, n_k, d_head, qk_scale,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    start_m, b, h, pid_bh = _query_tile(n_q, n_heads, CAUSAL, BLOCK_M)
+    start_m, b, h, pid_bh = _query_tile(n_q, n_heads, bh_start, CAUSAL, BLOCK_M)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -156,9 +166,9 @@ def _fwd_kernel(
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
 def _bwd_preprocess(O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
-                    n_heads, n_q, d_head, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                    n_heads, bh_start, n_q, d_head, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """DELTA[bh, i] = sum_d O[i, d] * dO[i, d]."""
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1) + bh_start
     b = (pid_bh // n_heads).to(tl.int64)
     h = (pid_bh % n_heads).to(tl.int64)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -212,10 +222,10 @@ def _bwd_dkdv_kernel(
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-    n_heads, n_q, n_k, d_head, qk_scale, sm_scale,
+    n_heads, bh_start, n_q, n_k, d_head, qk_scale, sm_scale,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1) + bh_start
     b = (pid_bh // n_heads).to(tl.int64)
     h = (pid_bh % n_heads).to(tl.int64)
     start_n = tl.program_id(0) * BLOCK_N
@@ -288,10 +298,10 @@ def _bwd_dq_kernel(
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
     stride_dqb, stride_dqh, stride_dqm,
-    n_heads, n_q, n_k, d_head, qk_scale, sm_scale,
+    n_heads, bh_start, n_q, n_k, d_head, qk_scale, sm_scale,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    start_m, b, h, pid_bh = _query_tile(n_q, n_heads, CAUSAL, BLOCK_M)
+    start_m, b, h, pid_bh = _query_tile(n_q, n_heads, bh_start, CAUSAL, BLOCK_M)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < d_head
@@ -394,12 +404,12 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float):
         lse.fill_(float("-inf"))
         return o, lse
     block_m, block_n, warps, stages = _fwd_config(d, q.dtype, q.device)
-    grid = (triton.cdiv(n_q, block_m), b * h)
-    _fwd_kernel[grid](
-        q4, k4, v4, o4, lse, *_strides3(q4), *_strides3(k4), *_strides3(v4), *_strides3(o4),
-        h, n_q, n_k, d, softmax_scale * LOG2E,
-        CAUSAL=is_causal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(d),
-        num_warps=warps, num_stages=stages)
+    for bh_start, n_bh in grid_axis1_launches(b * h):
+        _fwd_kernel[(triton.cdiv(n_q, block_m), n_bh)](
+            q4, k4, v4, o4, lse, *_strides3(q4), *_strides3(k4), *_strides3(v4), *_strides3(o4),
+            h, bh_start, n_q, n_k, d, softmax_scale * LOG2E,
+            CAUSAL=is_causal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(d),
+            num_warps=warps, num_stages=stages)
     return o, lse
 
 
@@ -416,20 +426,21 @@ def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale
     block_d = _block_d(d)
     delta = torch.empty((b * h, n_q), dtype=torch.float32, device=q.device)
     pre_m = 64
-    _bwd_preprocess[(triton.cdiv(n_q, pre_m), b * h)](
-        o4, do4, delta, *_strides3(o4), *_strides3(do4), h, n_q, d, BLOCK_M=pre_m, BLOCK_D=block_d)
     block_m, block_n, warps, stages = _bwd_config(d, q.dtype, q.device)
     common = dict(CAUSAL=is_causal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
                   num_warps=warps, num_stages=stages)
     qk_scale = softmax_scale * LOG2E
-    _bwd_dkdv_kernel[(triton.cdiv(n_k, block_n), b * h)](
-        q4, k4, v4, do4, lse, delta, dk4, dv4,
-        *_strides3(q4), *_strides3(k4), *_strides3(v4), *_strides3(do4), *_strides3(dk4), *_strides3(dv4),
-        h, n_q, n_k, d, qk_scale, softmax_scale, **common)
-    _bwd_dq_kernel[(triton.cdiv(n_q, block_m), b * h)](
-        q4, k4, v4, do4, lse, delta, dq4,
-        *_strides3(q4), *_strides3(k4), *_strides3(v4), *_strides3(do4), *_strides3(dq4),
-        h, n_q, n_k, d, qk_scale, softmax_scale, **common)
+    for bh_start, n_bh in grid_axis1_launches(b * h):
+        _bwd_preprocess[(triton.cdiv(n_q, pre_m), n_bh)](
+            o4, do4, delta, *_strides3(o4), *_strides3(do4), h, bh_start, n_q, d, BLOCK_M=pre_m, BLOCK_D=block_d)
+        _bwd_dkdv_kernel[(triton.cdiv(n_k, block_n), n_bh)](
+            q4, k4, v4, do4, lse, delta, dk4, dv4,
+            *_strides3(q4), *_strides3(k4), *_strides3(v4), *_strides3(do4), *_strides3(dk4), *_strides3(dv4),
+            h, bh_start, n_q, n_k, d, qk_scale, softmax_scale, **common)
+        _bwd_dq_kernel[(triton.cdiv(n_q, block_m), n_bh)](
+            q4, k4, v4, do4, lse, delta, dq4,
+            *_strides3(q4), *_strides3(k4), *_strides3(v4), *_strides3(do4), *_strides3(dq4),
+            h, bh_start, n_q, n_k, d, qk_scale, softmax_scale, **common)
     return dq, dk, dv
 
 

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..profiling import kernel_range
-from ._common import as_4d, check_device, check_float, next_pow2, use_custom_op
+from ._common import as_4d, check_device, check_float, grid_axis1_launches, next_pow2, use_custom_op
 
 TILE_ELEMENTS = 4096  # BLOCK_S × BLOCK_D per program
 
@@ -36,22 +36,24 @@ def _rope_kernel(
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_qob, stride_qoh, stride_qos, stride_kob, stride_koh, stride_kos,
     stride_pb, stride_ph, stride_ps,
-    n_heads, seq_len, d_head,
+    n_heads, bh_start, seq_len, d_head,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, INVERSE: tl.constexpr,
 ):
-    # grid: (seq blocks, batch*heads, 1 for q only / 2 for q and k)
+    # grid: (seq blocks, batch*heads from bh_start, 1 for q only / 2 for q and k)
     pid_s = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // n_heads
-    h = pid_bh % n_heads
+    pid_bh = tl.program_id(1) + bh_start
+    # 64-bit offsets: one [heads, seq, d] batch may hold more than 2**31 elements
+    b = (pid_bh // n_heads).to(tl.int64)
+    h = (pid_bh % n_heads).to(tl.int64)
     s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
     s_mask = s < seq_len
+    rows = s[:, None].to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = s_mask[:, None] & (cols[None, :] < d_head)
 
     # ---- positions -> cos/sin of each (position, pair): the table row of a position is contiguous,
     # so load [BLOCK_S, BLOCK_D/2] (vectorised), then repeat each pair's value on its two lanes
-    pos = tl.load(POS + b * stride_pb + h * stride_ph + s * stride_ps, mask=s_mask, other=0)
+    pos = tl.load(POS + b * stride_pb + h * stride_ph + s.to(tl.int64) * stride_ps, mask=s_mask, other=0)
     half = d_head // 2
     pairs = tl.arange(0, BLOCK_D // 2)
     table = pos[:, None].to(tl.int64) * half + pairs[None, :]
@@ -68,19 +70,19 @@ def _rope_kernel(
 
     # ---- q (program axis 2 == 0) or k (== 1)
     if tl.program_id(2) == 0:
-        src = Q + b.to(tl.int64) * stride_qb + h * stride_qh
-        dst = Q_OUT + b.to(tl.int64) * stride_qob + h * stride_qoh
+        src = Q + b * stride_qb + h * stride_qh
+        dst = Q_OUT + b * stride_qob + h * stride_qoh
         src_s, dst_s = stride_qs, stride_qos
     else:
-        src = K + b.to(tl.int64) * stride_kb + h * stride_kh
-        dst = K_OUT + b.to(tl.int64) * stride_kob + h * stride_koh
+        src = K + b * stride_kb + h * stride_kh
+        dst = K_OUT + b * stride_kob + h * stride_koh
         src_s, dst_s = stride_ks, stride_kos
-    x = tl.load(src + s[:, None] * src_s + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(src + rows * src_s + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     # swap the two lanes of every pair in registers: [S, D] -> [S, D/2, 2] -> flip -> [S, D]
     even, odd = tl.split(tl.reshape(x, (BLOCK_S, BLOCK_D // 2, 2)))
     partner = tl.reshape(tl.join(odd, even), (BLOCK_S, BLOCK_D))
     out = x * cos + sign[None, :] * partner * sin
-    tl.store(dst + s[:, None] * dst_s + cols[None, :], out.to(Q_OUT.dtype.element_ty), mask=mask)
+    tl.store(dst + rows * dst_s + cols[None, :], out.to(Q_OUT.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -125,13 +127,13 @@ def rope_forward(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin
         cfg = _launch_config(d)
         qv, kv = views[0], views[-1]
         qo, ko = out_views[0], out_views[-1]
-        grid = (triton.cdiv(s, cfg["BLOCK_S"]), b * h, len(tensors))
-        _rope_kernel[grid](
-            qv, kv, qo, ko, cos, sin, pos,
-            qv.stride(0), qv.stride(1), qv.stride(2), kv.stride(0), kv.stride(1), kv.stride(2),
-            qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
-            pos.stride(0), pos.stride(1), pos.stride(2),
-            h, s, d, INVERSE=inverse, **cfg)
+        for bh_start, n_bh in grid_axis1_launches(b * h):
+            _rope_kernel[(triton.cdiv(s, cfg["BLOCK_S"]), n_bh, len(tensors))](
+                qv, kv, qo, ko, cos, sin, pos,
+                qv.stride(0), qv.stride(1), qv.stride(2), kv.stride(0), kv.stride(1), kv.stride(2),
+                qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
+                pos.stride(0), pos.stride(1), pos.stride(2),
+                h, bh_start, s, d, INVERSE=inverse, **cfg)
     return outs[0], (outs[1] if k is not None else None)
 
 

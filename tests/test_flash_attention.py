@@ -150,3 +150,13 @@ def test_bad_inputs(fn):
        is_causal=st.booleans(), heads=st.integers(1, 2))
 def test_triton_random_shapes(n_q, n_k, d, is_causal, heads):
     _check(FlashAttention, (1, heads, n_q, d), n_k, is_causal, torch.float32)
+
+
+def test_batch_times_heads_beyond_one_launch(monkeypatch):
+    # CUDA caps grid axis 1 at 65535 (batch x head) programs; beyond it the launcher splits the work into
+    # launches that start at an offset. A cap of 3 makes 2 x 5 pairs take four launches (3 + 3 + 3 + 1).
+    import tritonlm.kernels._common as common
+
+    monkeypatch.setattr(common, "MAX_GRID_AXIS1", 3)
+    assert common.grid_axis1_launches(10) == [(0, 3), (3, 3), (6, 3), (9, 1)]
+    _check(FlashAttention, (2, 5, 37, 16), 37, True, torch.float32)

@@ -88,3 +88,15 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="out of range"):
         fz(torch.randn(2, 4), torch.tensor([1, 8]))
     assert math.isfinite(float(fz(torch.randn(2, 4)).sum()))
+
+
+def test_batch_times_heads_beyond_one_launch(monkeypatch):
+    # with grid axis 1 capped at 4 programs, 3 x 5 (batch, head) pairs take four launches at offsets
+    import tritonlm.kernels._common as common
+
+    monkeypatch.setattr(common, "MAX_GRID_AXIS1", 4)
+    q, k = torch.randn(3, 5, 7, 16), torch.randn(3, 5, 7, 16)
+    positions = torch.randint(0, 50, (3, 1, 7))
+    q_rot, k_rot = apply_rope(q, k, positions)
+    torch.testing.assert_close(q_rot.double(), _fp64_rope(q, positions, 1e4), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_rot.double(), _fp64_rope(k, positions, 1e4), atol=1e-5, rtol=1e-5)
