@@ -288,20 +288,34 @@ def test_ddp_and_fsdp_two_processes_gloo_match_single_process(tmp_path, corpus):
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
 
 
-def test_optimizer_state_converts_between_index_and_name_keys():
-    from tritonlm.train import _optimizer_state_keyed, _param_groups, _param_names
+def test_optimizer_state_converts_between_index_and_name_keys(tmp_path):
+    from tritonlm.checkpoint import optimizer_param_names, optimizer_state_keyed
+    from tritonlm.train import _param_groups
 
     model = _model()
     opt = AdamW(_param_groups(model, 0.1), lr=1e-2)
     model(torch.randint(0, 50, (2, 8))).sum().backward()
     opt.step()
     by_index = opt.state_dict()
-    names = _param_names(model)
-    by_name = _optimizer_state_keyed(by_index, names, by_name=True)
+    names = optimizer_param_names(model, opt)
+    # the optimizer's order: the decayed matrices first, then the vectors (norm gains)
+    named = list(model.named_parameters())
+    assert names == [n for n, p in named if p.dim() >= 2] + [n for n, p in named if p.dim() < 2]
+    by_name = optimizer_state_keyed(by_index, names, by_name=True)
     assert set(by_name["state"]) <= set(names) and by_name["param_groups"][0]["params"][0] == names[0]
-    back = _optimizer_state_keyed(by_name, names, by_name=False)
+    back = optimizer_state_keyed(by_name, names, by_name=False)
     fresh = AdamW(_param_groups(_model(), 0.1), lr=1e-2)
     fresh.load_state_dict(back)
     for k, v in fresh.state_dict()["state"].items():
         torch.testing.assert_close(v["exp_avg"], by_index["state"][k]["exp_avg"])
-    assert _optimizer_state_keyed(by_index, names, by_name=False) is by_index  # already in that form
+    assert optimizer_state_keyed(by_index, names, by_name=False) is by_index  # already in that form
+
+    # the public loader takes a name-keyed (FSDP-style) optimizer state too, matching names through the model
+    save_checkpoint(model, None, 5, tmp_path / "named.pt", optimizer_state=by_name)
+    model2 = _model()
+    opt2 = AdamW(_param_groups(model2, 0.1), lr=1e-2)
+    assert load_checkpoint(tmp_path / "named.pt", model2, opt2) == 5
+    for k, v in opt2.state_dict()["state"].items():
+        assert torch.equal(v["exp_avg_sq"], by_index["state"][k]["exp_avg_sq"])
+    with pytest.raises(ValueError, match="parameters"):
+        optimizer_state_keyed(by_name, names[:-1], by_name=False)

@@ -81,12 +81,42 @@ def load_checkpoint(src, model: torch.nn.Module, optimizer: torch.optim.Optimize
     """Restore ``model`` (and ``optimizer`` if given) from a path or binary file; returns the iteration.
 
     Parameters load by name, so a checkpoint of either backend (reference or fused) loads into either.
+    The optimizer state may be keyed by parameter index (``optimizer.state_dict()``) or by parameter name
+    (what ``tritonlm train --fsdp`` saves); names are matched to ``optimizer``'s parameters through ``model``.
     """
     payload = read_checkpoint(src, map_location=_device_of(model))
     unwrap(model).load_state_dict(payload["model"])
     if optimizer is not None and "optimizer" in payload:
-        optimizer.load_state_dict(payload["optimizer"])
+        names = optimizer_param_names(model, optimizer)
+        optimizer.load_state_dict(optimizer_state_keyed(payload["optimizer"], names, by_name=False))
     return int(payload["iteration"])
+
+
+def optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The name in ``model`` of each parameter of ``optimizer``, in the optimizer's order (its groups, concatenated),
+    which is the order of the indices ``optimizer.state_dict()`` uses."""
+    names = {id(p): n for n, p in unwrap(model).named_parameters()}
+    order = [p for group in optimizer.param_groups for p in group["params"]]
+    missing = [i for i, p in enumerate(order) if id(p) not in names]
+    if missing:
+        raise ValueError(f"optimizer parameters {missing[:5]} are not parameters of the model")
+    return [names[id(p)] for p in order]
+
+
+def optimizer_state_keyed(state: dict, names: list[str], by_name: bool) -> dict:
+    """An optimizer state dict keyed by parameter index (``optimizer.state_dict()``) or by name (the full state
+    dict FSDP checkpoints hold), converted to the form wanted; ``names[i]`` is parameter ``i``'s name."""
+    keys = [k for group in state["param_groups"] for k in group["params"]]
+    if not keys or isinstance(keys[0], str) == by_name:
+        return state
+    if len(keys) != len(names):
+        raise ValueError(f"the checkpoint's optimizer has {len(keys)} parameters, this one {len(names)}")
+    to_new = dict(zip(range(len(names)), names)) if by_name else {n: i for i, n in enumerate(names)}
+    unknown = [k for k in keys if k not in to_new]
+    if unknown:
+        raise ValueError(f"the checkpoint's optimizer state names parameters this model lacks: {unknown[:5]}")
+    return {"state": {to_new[k]: v for k, v in state["state"].items()},
+            "param_groups": [{**g, "params": [to_new[k] for k in g["params"]]} for g in state["param_groups"]]}
 
 
 def _device_of(model: torch.nn.Module):

@@ -26,7 +26,14 @@ import numpy as np
 import torch
 
 from . import accounting
-from .checkpoint import read_checkpoint, restore_rng_state, save_checkpoint, unwrap
+from .checkpoint import (
+    optimizer_param_names,
+    optimizer_state_keyed,
+    read_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+    unwrap,
+)
 from .config import ModelConfig
 from .data import batch_at, sample_starts
 from .modules import TransformerLM
@@ -247,24 +254,6 @@ def runnable_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def _param_names(model: torch.nn.Module) -> list[str]:
-    """Parameter names in the optimizer's order (the groups of :func:`_param_groups`, concatenated)."""
-    named = list(model.named_parameters())
-    return [n for n, p in named if p.dim() >= 2] + [n for n, p in named if p.dim() < 2]
-
-
-def _optimizer_state_keyed(state: dict, names: list[str], by_name: bool) -> dict:
-    """An optimizer state dict keyed by parameter index (``optimizer.state_dict()``) or by name (the full
-    state dict FSDP checkpoints hold), converted to the form wanted, so a run can resume with or without
-    ``--fsdp`` whichever way it was saved."""
-    keys = [k for group in state["param_groups"] for k in group["params"]]
-    if not keys or isinstance(keys[0], str) == by_name:
-        return state
-    to_new = dict(zip(range(len(names)), names)) if by_name else {n: i for i, n in enumerate(names)}
-    return {"state": {to_new[k]: v for k, v in state["state"].items()},
-            "param_groups": [{**g, "params": [to_new[k] for k in g["params"]]} for g in state["param_groups"]]}
-
-
 def _param_groups(model: torch.nn.Module, weight_decay: float):
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -369,7 +358,9 @@ def train(cfg: TrainConfig, say=print) -> dict:
         train_model = model
     optimizer = AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     if payload is not None:
-        optim_state = _optimizer_state_keyed(payload["optimizer"], _param_names(model), by_name=cfg.fsdp)
+        # FSDP checkpoints key the optimizer state by parameter name, others by index: either resumes either way
+        names = optimizer_param_names(model, optimizer)
+        optim_state = optimizer_state_keyed(payload["optimizer"], names, by_name=cfg.fsdp)
         if cfg.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
