@@ -48,3 +48,23 @@ def test_trainer_matches_naive_on_random_text(tmp_path_factory, text, extra):
     vocab_size = 257 + extra
     _, merges = train_bpe(path, vocab_size, ["<|endoftext|>"], num_workers=1)
     assert merges == naive_train_bpe(text, vocab_size, ["<|endoftext|>"])
+
+
+ASCII_TEXT = st.lists(st.sampled_from([chr(c) for c in range(128)] + ["'s", "'ll", "'ve", "  ", " \n", "\x1c "]),
+                      max_size=80).map("".join)
+
+
+@settings(max_examples=500, deadline=None)
+@given(text=ASCII_TEXT, cut=st.integers(0, 200))
+def test_ascii_pretokenizer_equals_gpt2_pattern(text, cut):
+    # ASCII text is split with a stdlib-re pattern for speed; it must equal GPT-2's Unicode pattern (run by the
+    # regex module) on every ASCII character, \x1c-\x1f included, also with an end position (streaming)
+    import regex
+
+    from tritonlm.tokenizer import GPT2_PATTERN, _pretokens
+
+    gpt2 = regex.compile(GPT2_PATTERN)
+    assert text.isascii()
+    assert _pretokens(text) == gpt2.findall(text)
+    end = min(cut, len(text))
+    assert _pretokens(text, 0, end) == gpt2.findall(text, 0, end)
