@@ -38,7 +38,7 @@ def main() -> int:
 
     import torch
 
-    out = Path(args.out)
+    out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     on_gpu = torch.cuda.is_available() and not args.smoke
@@ -97,11 +97,14 @@ def main() -> int:
 
     # ---------------------------------------------------------------------------------------- kernel tests
     def kernel_tests():
-        env_vars = {**os.environ, "TRITONLM_TEST_DEVICE": "cuda" if on_gpu else "cpu"}
+        # the package comes from PYTHONPATH (gpu_suite.sh puts a copy there): run pytest from the output folder,
+        # never the repository root, whose tritonlm/ source folder (no kernels/, modules/) would shadow it
+        env_vars = {**os.environ, "TRITONLM_TEST_DEVICE": "cuda" if on_gpu else "cpu", "PYTHONSAFEPATH": "1",
+                    "PYTHONUNBUFFERED": "1"}
         if on_gpu:
             env_vars.pop("TRITON_INTERPRET", None)
-        files = ["tests/test_rmsnorm.py", "tests/test_rope.py", "tests/test_swiglu.py", "tests/test_flash_attention.py",
-                 "tests/test_fused_model.py"]
+        files = [str(REPO / "tests" / f"test_{name}.py")
+                 for name in ("rmsnorm", "rope", "swiglu", "flash_attention", "fused_model")]
         junit = out / "kernel_tests.xml"
         parallel = []
         import importlib.util
@@ -109,10 +112,17 @@ def main() -> int:
         if on_gpu and importlib.util.find_spec("xdist") is not None:
             # most of the time is Triton compiling each specialisation once: spread it over processes
             parallel = ["-n", str(min(8, os.cpu_count() or 1))]
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *parallel,
-                               f"--junitxml={junit}", *files], cwd=REPO, env=env_vars, capture_output=True,
-                              text=True, timeout=max(60, min(240, left() - 30)))
-        (out / "kernel_tests.log").write_text(proc.stdout[-20000:] + "\n" + proc.stderr[-5000:])
+        timeout = max(60, min(240, left() - 30))
+        log = out / "kernel_tests.log"
+        with open(log, "w") as f:  # streamed to the file, so a run cut off by the timeout still leaves its log
+            try:
+                code = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *parallel,
+                                       f"--junitxml={junit}", *files], cwd=out, env=env_vars, stdout=f,
+                                      stderr=subprocess.STDOUT, timeout=timeout).returncode
+            except subprocess.TimeoutExpired:
+                code = f"stopped after {timeout:.0f} s"
+        if not junit.exists():
+            return {"rows": [{"tests": None, "pytest exit code": code, "log": log.name}]}
         import xml.etree.ElementTree as ET
 
         suite = ET.parse(junit).getroot()
@@ -120,7 +130,7 @@ def main() -> int:
         n = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
         return {"rows": [{"tests": n["tests"], "passed": n["tests"] - n["failures"] - n["errors"] - n["skipped"],
                           "failed": n["failures"], "errored": n["errors"], "not run": n["skipped"],
-                          "pytest exit code": proc.returncode, "log": "kernel_tests.log"}]}
+                          "pytest exit code": code, "log": log.name}]}
 
     if not args.skip_tests:
         section("kernel_tests", kernel_tests, min_left=120 if on_gpu else 20)
