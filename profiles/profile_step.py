@@ -34,7 +34,9 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     if shutil.which("nsys") and not args.no_nsys and not args.under_nsys:
-        cmd = ["nsys", "profile", "--trace=cuda,nvtx,osrt", "--force-overwrite=true", "-o", str(out / "step"),
+        # capture only between cudaProfilerStart/Stop: the profiled steps, not imports, compiles and warm-up
+        cmd = ["nsys", "profile", "--trace=cuda,nvtx,osrt", "--capture-range=cudaProfilerApi",
+               "--capture-range-end=stop", "--force-overwrite=true", "-o", str(out / "step"),
                sys.executable, __file__, "--under-nsys", *sys.argv[1:]]
         print("running:", " ".join(cmd))
         return subprocess.call(cmd)
