@@ -68,3 +68,24 @@ def test_ascii_pretokenizer_equals_gpt2_pattern(text, cut):
     assert _pretokens(text) == gpt2.findall(text)
     end = min(cut, len(text))
     assert _pretokens(text, 0, end) == gpt2.findall(text, 0, end)
+
+
+MIXED_TEXT = st.lists(st.sampled_from(list("ab1 \n\n\t'sé日²Ⅻ\x1c.") + ["\n", "a\nb", "2\n3", "é\nx", "  \n", "'ll"]),
+                      max_size=80).map("".join)
+
+
+@settings(max_examples=500, deadline=None)
+@given(text=MIXED_TEXT, block=st.integers(1, 12), cut=st.integers(0, 200))
+def test_blockwise_pretokenizer_equals_gpt2_pattern(text, block, cut):
+    # non-ASCII text is pre-tokenised in blocks cut at lone newlines between letters/digits (ASCII blocks take the
+    # fast pattern); tiny blocks put a cut at every such newline, and the result must not change
+    import regex
+
+    import tritonlm.tokenizer as T
+
+    gpt2 = regex.compile(T.GPT2_PATTERN)
+    end = min(cut, len(text))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(T, "PRETOKEN_BLOCK_CHARS", block)
+        assert T._pretokens(text) == gpt2.findall(text)
+        assert T._pretokens(text, 0, end) == gpt2.findall(text, 0, end)

@@ -36,11 +36,39 @@ _PRETOKEN_ASCII = re.compile(
     rf"'(?:[sdmt]|ll|ve|re)| ?[A-Za-z]+| ?[0-9]+| ?[^{_WS}A-Za-z0-9]+|[{_WS}]+(?![^{_WS}])|[{_WS}]+")
 
 
+#: Text with some non-ASCII characters is pre-tokenised in blocks of about this many characters, cut where no
+#: pre-token can change, so that its ASCII blocks still take the fast pattern.
+PRETOKEN_BLOCK_CHARS = 1 << 14
+
+
 def _pretokens(text: str, start: int = 0, end: int | None = None) -> list[str]:
     """GPT-2's pre-tokens of ``text[start:end]``; as with ``findall``'s ``endpos``, the pattern sees ``end`` as
     the end of the string."""
     end = len(text) if end is None else end
-    return (_PRETOKEN_ASCII if text.isascii() else _PRETOKEN).findall(text, start, end)
+    if text.isascii():  # O(1) in CPython
+        return _PRETOKEN_ASCII.findall(text, start, end)
+    pieces: list[str] = []
+    while start < end:
+        cut = _block_cut(text, start + PRETOKEN_BLOCK_CHARS, end)
+        pattern = _PRETOKEN_ASCII if text[start:cut].isascii() else _PRETOKEN
+        pieces += pattern.findall(text, start, cut)
+        start = cut
+    return pieces
+
+
+def _block_cut(text: str, pos: int, end: int) -> int:
+    r"""The first position from ``pos`` on where ``text[:end]`` can be split without changing its pre-tokens
+    (else ``end``): just after a newline whose two neighbours are letters or digits. That newline is a
+    pre-token of its own either way (``\s+(?!\S)`` fails before the letter, ``\s+`` takes it; at the end of
+    the first part the former takes it), no other pre-token touches the cut, and the pattern has no lookbehind."""
+    if pos >= end:
+        return end
+    i = text.find("\n", pos, end - 1)
+    while i != -1:
+        if text[i - 1].isalnum() and text[i + 1].isalnum():
+            return i + 1
+        i = text.find("\n", i + 1, end - 1)
+    return end
 
 
 #: A pair's merge packed in one int, ``rank << 32 | merged id``, so that ``min`` compares plain ints (faster
