@@ -58,17 +58,23 @@ def _pretokens(text: str, start: int = 0, end: int | None = None) -> list[str]:
 
 def _block_cut(text: str, pos: int, end: int) -> int:
     r"""The first position from ``pos`` on where ``text[:end]`` can be split without changing its pre-tokens
-    (else ``end``): just after a newline whose two neighbours are letters or digits. That newline is a
-    pre-token of its own either way (``\s+(?!\S)`` fails before the letter, ``\s+`` takes it; at the end of
-    the first part the former takes it), no other pre-token touches the cut, and the pattern has no lookbehind."""
+    (else ``end``): just after a newline whose two neighbours are surely not whitespace (letters, digits,
+    visible ASCII). That newline is a pre-token of its own either way (``\s+(?!\S)`` fails before the next
+    character, ``\s+`` takes it; at the end of the first part the former takes it), no other pre-token
+    touches the cut, and the pattern has no lookbehind."""
     if pos >= end:
         return end
     i = text.find("\n", pos, end - 1)
     while i != -1:
-        if text[i - 1].isalnum() and text[i + 1].isalnum():
+        if _solid(text[i - 1]) and _solid(text[i + 1]):
             return i + 1
         i = text.find("\n", i + 1, end - 1)
     return end
+
+
+def _solid(char: str) -> bool:
+    """Not whitespace under any definition (Unicode White_Space, ``str.isspace``)."""
+    return char.isalnum() or "!" <= char <= "~"
 
 
 #: A pair's merge packed in one int, ``rank << 32 | merged id``, so that ``min`` compares plain ints (faster
