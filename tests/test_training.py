@@ -319,3 +319,19 @@ def test_optimizer_state_converts_between_index_and_name_keys(tmp_path):
         assert torch.equal(v["exp_avg_sq"], by_index["state"][k]["exp_avg_sq"])
     with pytest.raises(ValueError, match="parameters"):
         optimizer_state_keyed(by_name, names[:-1], by_name=False)
+
+
+def test_index_keyed_optimizer_state_loads_without_name_lookup(tmp_path):
+    # an optimizer may hold tensors that are not model parameters; an ordinary (index-keyed) checkpoint of it
+    # loads as torch's own load_state_dict would, with no name matching involved
+    model = _model()
+    extra = torch.nn.Parameter(torch.zeros(3))
+    opt = AdamW(list(model.parameters()) + [extra], lr=1e-2)
+    (model(torch.randint(0, 50, (2, 8))).sum() + extra.sum()).backward()
+    opt.step()
+    save_checkpoint(model, opt, 2, tmp_path / "ck.pt")
+    model2, extra2 = _model(), torch.nn.Parameter(torch.zeros(3))
+    opt2 = AdamW(list(model2.parameters()) + [extra2], lr=1e-2)
+    assert load_checkpoint(tmp_path / "ck.pt", model2, opt2) == 2
+    last = len(opt.param_groups[0]["params"]) - 1
+    assert torch.equal(opt2.state_dict()["state"][last]["exp_avg"], opt.state_dict()["state"][last]["exp_avg"])

@@ -87,9 +87,16 @@ def load_checkpoint(src, model: torch.nn.Module, optimizer: torch.optim.Optimize
     payload = read_checkpoint(src, map_location=_device_of(model))
     unwrap(model).load_state_dict(payload["model"])
     if optimizer is not None and "optimizer" in payload:
-        names = optimizer_param_names(model, optimizer)
-        optimizer.load_state_dict(optimizer_state_keyed(payload["optimizer"], names, by_name=False))
+        state = payload["optimizer"]
+        if _keyed_by_name(state):  # names only need resolving for a name-keyed (FSDP) state
+            state = optimizer_state_keyed(state, optimizer_param_names(model, optimizer), by_name=False)
+        optimizer.load_state_dict(state)
     return int(payload["iteration"])
+
+
+def _keyed_by_name(state: dict) -> bool:
+    """Whether an optimizer state dict names its parameters (FSDP full state dict) rather than numbering them."""
+    return any(isinstance(k, str) for group in state["param_groups"] for k in group["params"])
 
 
 def optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -107,7 +114,7 @@ def optimizer_state_keyed(state: dict, names: list[str], by_name: bool) -> dict:
     """An optimizer state dict keyed by parameter index (``optimizer.state_dict()``) or by name (the full state
     dict FSDP checkpoints hold), converted to the form wanted; ``names[i]`` is parameter ``i``'s name."""
     keys = [k for group in state["param_groups"] for k in group["params"]]
-    if not keys or isinstance(keys[0], str) == by_name:
+    if not keys or _keyed_by_name(state) == by_name:
         return state
     if len(keys) != len(names):
         raise ValueError(f"the checkpoint's optimizer has {len(keys)} parameters, this one {len(names)}")
