@@ -68,8 +68,8 @@ def _rmsnorm_impls():
              "tritonlm": lambda x, w: rms_norm(x, w, 1e-5)}
     if ON_GPU:
         impls["torch.compile(reference)"] = compiled(reference_plain)
-        if "rmsnorm" in liger_impls():
-            impls["liger-kernel"] = liger_impls()["rmsnorm"]
+        if "rmsnorm" in (liger := liger_impls()):
+            impls["liger-kernel"] = liger["rmsnorm"]
     return impls
 
 
@@ -91,8 +91,8 @@ def _swiglu_impls():
     impls = {"reference": plain, "tritonlm": swiglu_gate}
     if ON_GPU:
         impls["torch.compile(reference)"] = compiled(plain)
-        if "swiglu" in liger_impls():
-            impls["liger-kernel"] = liger_impls()["swiglu"]
+        if "swiglu" in (liger := liger_impls()):
+            impls["liger-kernel"] = liger["swiglu"]
     return impls
 
 
@@ -125,8 +125,8 @@ def _rope_impls(seq, d):
     impls = {"reference": ref, "tritonlm": ours}
     if ON_GPU:
         impls["torch.compile(reference)"] = compiled(ref)
-        if "rope" in liger_impls():
-            impls["liger-kernel"] = liger_impls()["rope"](rope.cos_cached, rope.sin_cached, DTYPE)
+        if "rope" in (liger := liger_impls()):
+            impls["liger-kernel"] = liger["rope"](rope.cos_cached, rope.sin_cached, DTYPE)
     return impls
 
 

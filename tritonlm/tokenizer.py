@@ -28,8 +28,8 @@ import regex
 #: GPT-2's pre-tokenisation pattern.
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 _PRETOKEN = regex.compile(GPT2_PATTERN)
-#: The same pattern for ASCII-only text, for the stdlib's ``re`` (about 1.7x faster than ``regex`` on English
-#: prose): on ASCII, ``\p{L}`` is ``[A-Za-z]``, ``\p{N}`` is ``[0-9]`` and ``\s`` (Unicode White_Space) is
+#: The same pattern for ASCII-only text, for the stdlib's ``re``, which runs it faster than ``regex`` runs
+#: GPT-2's: on ASCII, ``\p{L}`` is ``[A-Za-z]``, ``\p{N}`` is ``[0-9]`` and ``\s`` (Unicode White_Space) is
 #: ``[\t\n\v\f\r ]`` -- not ``re``'s own ``\s``, which also takes ``\x1c``-``\x1f``.
 _WS = r"\t\n\v\f\r "
 _PRETOKEN_ASCII = re.compile(
