@@ -1,6 +1,8 @@
 """Triton kernels, one op per file, each behind a ``torch.autograd.Function``.
 
-Functional entry points: :func:`rms_norm`, :func:`apply_rope`, :func:`swiglu_gate`, :func:`flash_attention`.
+Functional entry points: :func:`rms_norm`, :func:`add_rms_norm`, :func:`apply_rope`, :func:`swiglu_gate`,
+:func:`flash_attention`; losses :func:`cross_entropy` (on logits) and :func:`linear_cross_entropy` (LM head +
+loss without materialising the logits).
 Attention Functions: :class:`FlashAttention` (Triton) and :class:`FlashAttentionTorch` (tiled PyTorch).
 
 Kernels run on CUDA tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` was set before Triton was
@@ -12,13 +14,16 @@ from ._common import INTERPRETING, install_interpreter_bf16_dot_shim
 if INTERPRETING:
     install_interpreter_bf16_dot_shim()
 
+from .cross_entropy import CrossEntropyFunction, cross_entropy  # noqa: E402
 from .flash_attention import FlashAttention, flash_attention  # noqa: E402
 from .flash_attention_torch import FlashAttentionTorch  # noqa: E402
-from .rmsnorm import RMSNormFunction, rms_norm  # noqa: E402
+from .rmsnorm import AddRMSNormFunction, RMSNormFunction, add_rms_norm, rms_norm  # noqa: E402
+from .linear_cross_entropy import LinearCrossEntropyFunction, linear_cross_entropy  # noqa: E402
 from .rope import RoPEFunction, apply_rope, rope_tables  # noqa: E402
 from .swiglu import SwiGLUGateFunction, swiglu_gate  # noqa: E402
 
 __all__ = [
     "FlashAttention", "FlashAttentionTorch", "flash_attention", "rms_norm", "apply_rope", "rope_tables",
-    "swiglu_gate", "RMSNormFunction", "RoPEFunction", "SwiGLUGateFunction", "INTERPRETING",
+    "swiglu_gate", "add_rms_norm", "AddRMSNormFunction", "cross_entropy", "linear_cross_entropy", "RMSNormFunction", "RoPEFunction",
+    "SwiGLUGateFunction", "CrossEntropyFunction", "LinearCrossEntropyFunction", "INTERPRETING",
 ]

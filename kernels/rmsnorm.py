@@ -33,22 +33,39 @@ TILE_ELEMENTS = 4096    # rows packed per program for short rows: BLOCK_M × BLO
 # kernels
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
+def _load_input(X, RES, H, x_rows, res_rows, h_rows, cols, mask, STORE_H: tl.constexpr,
+                HAS_RESIDUAL: tl.constexpr):
+    """The normalised input for these columns, fp32: ``x``, or ``h = x + residual`` rounded to h's dtype
+    (exactly the tensor the unfused ``x + residual`` would give), stored to H when ``STORE_H``."""
+    x = tl.load(x_rows + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_rows + cols, mask=mask, other=0.0)
+        h = (x.to(tl.float32) + r.to(tl.float32)).to(H.dtype.element_ty)
+        if STORE_H:
+            tl.store(h_rows + cols, h, mask=mask)
+        return h.to(tl.float32)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_fwd_kernel(
-    X, W, Y, RSTD,
-    stride_x_row, stride_y_row, n_rows, n_cols, eps,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_IN_REGISTERS: tl.constexpr,
+    X, RES, H, W, Y, RSTD,
+    stride_x_row, stride_res_row, stride_y_row, n_rows, n_cols, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_IN_REGISTERS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
-    # ---- which rows: BLOCK_M consecutive rows per program
+    # ---- which rows: BLOCK_M consecutive rows per program (Y and H are contiguous: row stride stride_y_row)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < n_rows
     cols = tl.arange(0, BLOCK_N)
     x_rows = X + rows[:, None].to(tl.int64) * stride_x_row
+    res_rows = RES + rows[:, None].to(tl.int64) * stride_res_row
     y_rows = Y + rows[:, None].to(tl.int64) * stride_y_row
+    h_rows = H + rows[:, None].to(tl.int64) * stride_y_row
 
     if ROW_IN_REGISTERS:
-        # ---- load: the whole row stays in registers
+        # ---- load: the whole row stays in registers (h = x + residual is formed and stored here)
         mask = row_mask[:, None] & (cols[None, :] < n_cols)
-        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = _load_input(X, RES, H, x_rows, res_rows, h_rows, cols[None, :], mask, True, HAS_RESIDUAL)
         w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
         # ---- compute
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
@@ -56,18 +73,18 @@ def _rms_norm_fwd_kernel(
         # ---- store
         tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     else:
-        # ---- pass 1: sum of squares chunk by chunk
+        # ---- pass 1: sum of squares chunk by chunk (h stored on the way)
         sum_sq = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK_N):
             mask = row_mask[:, None] & (start + cols[None, :] < n_cols)
-            x = tl.load(x_rows + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = _load_input(X, RES, H, x_rows, res_rows, h_rows, start + cols[None, :], mask, True, HAS_RESIDUAL)
             sum_sq += x * x
         rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, axis=1) / n_cols + eps)
-        # ---- pass 2: normalise and store
+        # ---- pass 2: normalise and store (h recomputed from x and residual, not reread: no barrier needed)
         for start in range(0, n_cols, BLOCK_N):
             col_mask = start + cols < n_cols
             mask = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(x_rows + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = _load_input(X, RES, H, x_rows, res_rows, h_rows, start + cols[None, :], mask, False, HAS_RESIDUAL)
             w = tl.load(W + start + cols, mask=col_mask, other=0.0).to(tl.float32)
             y = x * rstd[:, None] * w[None, :]
             tl.store(y_rows + start + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
@@ -88,10 +105,11 @@ def _load_bwd_chunk(X, DY, W, rows64, row_mask, start, cols, n_cols, stride_x_ro
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    DY, X, W, RSTD, DX, DW_PARTIAL,
-    stride_dy_row, stride_x_row, stride_dx_row, n_rows, n_cols, blocks_per_program,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_IN_REGISTERS: tl.constexpr,
+    DY, X, W, RSTD, DX, DW_PARTIAL, DH,
+    stride_dy_row, stride_x_row, stride_dx_row, stride_dh_row, n_rows, n_cols, blocks_per_program,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_IN_REGISTERS: tl.constexpr, HAS_DH: tl.constexpr,
 ):
+    # HAS_DH (add_rms_norm): X holds h = x + residual, and dL/dh from h's other uses is added to dx
     # Grid-stride loop: program p handles row blocks p, p + P, p + 2P, ... and owns row p of DW_PARTIAL.
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -116,6 +134,8 @@ def _rms_norm_bwd_kernel(
             g = dy * w[None, :]
             mean_gx = tl.sum(g * xhat, axis=1) / n_cols
             dx = (g - xhat * mean_gx[:, None]) * rstd[:, None]
+            if HAS_DH:
+                dx += tl.load(DH + rows64 * stride_dh_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             dw_acc += tl.sum(dy * xhat, axis=0)
             # ---- store
             tl.store(DX + rows64 * stride_dx_row + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
@@ -141,6 +161,9 @@ def _rms_norm_bwd_kernel(
                                                            stride_x_row, stride_dy_row)
                 xhat = x * rstd[:, None]
                 dx = (dy * w[None, :] - xhat * mean_gx[:, None]) * rstd[:, None]
+                if HAS_DH:
+                    dx += tl.load(DH + rows64 * stride_dh_row + start + cols[None, :], mask=mask,
+                                  other=0.0).to(tl.float32)
                 tl.store(DX + rows64 * stride_dx_row + start + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
                 dw = tl.load(dw_row + start + cols, mask=col_mask, other=0.0)
                 tl.store(dw_row + start + cols, dw + tl.sum(dy * xhat, axis=0), mask=col_mask)
@@ -194,23 +217,39 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
     check_device("rms_norm", x, weight)
 
 
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
-    """Returns ``(y, rstd)``: y like x, rstd fp32 ``[rows]``."""
+def _launch_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """``(y, h, rstd)``; ``h = x + residual`` (contiguous, x's dtype) only when a residual is given."""
     x_rows = as_rows(x)
     n_rows, n_cols = x_rows.shape
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous: row stride n_cols
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    res_rows = as_rows(residual) if residual is not None else x_rows
+    h = torch.empty_like(y) if residual is not None else None
     if n_rows:
         cfg = _launch_config(n_cols)
         grid = (triton.cdiv(n_rows, cfg["BLOCK_M"]),)
-        _rms_norm_fwd_kernel[grid](x_rows, weight, y, rstd, x_rows.stride(0), n_cols, n_rows, n_cols,
-                                   float(eps), **cfg)
+        _rms_norm_fwd_kernel[grid](x_rows, res_rows, h if h is not None else y, weight, y, rstd,
+                                   x_rows.stride(0), res_rows.stride(0), n_cols, n_rows, n_cols, float(eps),
+                                   HAS_RESIDUAL=residual is not None, **cfg)
+    return y, h, rstd
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """Returns ``(y, rstd)``: y like x, rstd fp32 ``[rows]``."""
+    y, _, rstd = _launch_forward(x, None, weight, eps)
     return y, rstd
 
 
-def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor):
-    """Returns ``(dx, dweight)``."""
+def add_rms_norm_forward(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """Returns ``(y, h, rstd)`` with ``h = x + residual`` and ``y = rmsnorm(h)``, both like x."""
+    return _launch_forward(x, residual, weight, eps)
+
+
+def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                      dh: torch.Tensor | None = None):
+    """Returns ``(dx, dweight)``. With ``dh`` (add_rms_norm: x is the saved h), ``dx = dL/dh`` includes it."""
     x_rows, dy_rows = as_rows(x), as_rows(dy)
+    dh_rows = as_rows(dh) if dh is not None else dy_rows
     n_rows, n_cols = x_rows.shape
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous: row stride n_cols
     cfg = _launch_config(n_cols)
@@ -222,8 +261,8 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     dw_partial = alloc((n_programs, n_cols), dtype=torch.float32, device=x.device)
     if n_rows:
         _rms_norm_bwd_kernel[(n_programs,)](
-            dy_rows, x_rows, weight, rstd, dx, dw_partial, dy_rows.stride(0), x_rows.stride(0), n_cols,
-            n_rows, n_cols, triton.cdiv(n_blocks, n_programs), **cfg)
+            dy_rows, x_rows, weight, rstd, dx, dw_partial, dh_rows, dy_rows.stride(0), x_rows.stride(0), n_cols,
+            dh_rows.stride(0), n_rows, n_cols, triton.cdiv(n_blocks, n_programs), HAS_DH=dh is not None, **cfg)
     dweight = torch.empty(n_cols, dtype=weight.dtype, device=weight.device)
     block_n = min(1024, next_pow2(n_cols))
     _column_sum_kernel[(triton.cdiv(n_cols, block_n),)](dw_partial, dweight, n_programs, n_cols,
@@ -281,3 +320,72 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.
     """Fused RMSNorm of ``x[..., d_model]`` with ``weight[d_model]``; returns x's dtype."""
     _check(x, weight)
     return RMSNormFunction.apply(x, weight, eps)
+
+
+# ----------------------------------------------------------------------------------------------------
+# fused residual add + RMSNorm: the pre-norm seam ``h = x + residual; y = rmsnorm(h)`` in one pass
+# ----------------------------------------------------------------------------------------------------
+@torch.library.custom_op("tritonlm::add_rms_norm_fwd", mutates_args=())
+def _add_rms_norm_fwd_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return add_rms_norm_forward(x, residual, weight, eps)
+
+
+@_add_rms_norm_fwd_op.register_fake
+def _(x, residual, weight, eps):
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return y, torch.empty_like(y), x.new_empty(rows, dtype=torch.float32)
+
+
+@torch.library.custom_op("tritonlm::add_rms_norm_bwd", mutates_args=())
+def _add_rms_norm_bwd_op(dy: torch.Tensor, dh: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                         rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return rms_norm_backward(dy, h, weight, rstd, dh)
+
+
+@_add_rms_norm_bwd_op.register_fake
+def _(dy, dh, h, weight, rstd):
+    return torch.empty_like(h, memory_format=torch.contiguous_format), torch.empty_like(weight)
+
+
+class AddRMSNormFunction(torch.autograd.Function):
+    """``(x, residual, weight, eps) -> (y, h)``. Saves only h, the weight and ``rstd``; the backward takes
+    ``dy`` and ``dh`` (either may be absent) and returns the same ``dL/dh`` for x and residual."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5):
+        fwd = _add_rms_norm_fwd_op if use_custom_op(x) else add_rms_norm_forward
+        with kernel_range("tritonlm::add_rms_norm_fwd"):
+            y, h, rstd = fwd(x, residual, weight, eps)
+        ctx.save_for_backward(h, weight, rstd)
+        ctx.set_materialize_grads(False)
+        return y, h
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy: torch.Tensor | None, dh: torch.Tensor | None):
+        h, weight, rstd = ctx.saved_tensors
+        if dy is None:  # y unused: only h's own gradient flows, to both inputs
+            dh = torch.zeros_like(h) if dh is None else dh
+            return dh, dh, torch.zeros_like(weight), None
+        with kernel_range("tritonlm::add_rms_norm_bwd"):
+            if use_custom_op(h):
+                dx, dweight = _add_rms_norm_bwd_op(dy, dh if dh is not None else torch.zeros_like(h), h, weight,
+                                                   rstd)
+            else:
+                dx, dweight = rms_norm_backward(dy, h, weight, rstd, dh)
+        return dx, dx, dweight, None
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused ``h = x + residual``, ``y = rmsnorm(h) * weight``; returns ``(y, h)``, both ``[..., d_model]``
+    in x's dtype (h rounded to it exactly as ``x + residual`` would be; the norm in fp32)."""
+    _check(x, weight)
+    if residual.shape != x.shape:
+        raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} and x {tuple(x.shape)} differ")
+    if residual.dtype != x.dtype:
+        raise TypeError(f"add_rms_norm: residual is {residual.dtype} but x is {x.dtype}")
+    check_device("add_rms_norm", x, residual, weight)
+    return AddRMSNormFunction.apply(x, residual, weight, eps)

@@ -62,18 +62,42 @@ def scaled_dot_product_attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tens
     return einsum(probs, V, "... queries keys, ... keys d_v -> ... queries d_v")
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of ``logits[..., vocab]`` against integer ``targets[...]``.
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
+                  label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
+                  reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of ``logits[..., vocab]`` against integer ``targets[...]``, in fp32.
 
-    Uses ``lse(x) - x[target]`` with a max-shifted log-sum-exp, in fp32; the softmax is never formed.
+    Per non-ignored target ``t``, with ``z`` the logits (``softcap · tanh(logits / softcap)`` when a softcap is
+    given) and ``lse = log Σ_j exp(z_j)`` (max-shifted, so nothing overflows; the softmax is never formed)::
+
+        loss = (1 - label_smoothing) · (lse - z_t) + label_smoothing · mean_j (lse - z_j) + z_loss · lse²
+
+    The first two terms are ``F.cross_entropy``'s label smoothing; the last is PaLM's z-loss. Targets equal
+    to ``ignore_index`` contribute nothing. ``reduction``: "mean" over the non-ignored targets (0, not NaN,
+    when there are none), "sum", or "none" (``[...]``, 0 at ignored targets).
     """
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree: "
                          "expected logits[..., vocab] and targets[...]")
     if targets.dtype.is_floating_point or targets.dtype == torch.bool:
         raise TypeError(f"targets must be integer class ids, got {targets.dtype}")
-    logits = logits.float()
-    max_logit = logits.amax(dim=-1, keepdim=True)
-    lse = max_logit.squeeze(-1) + torch.log(torch.exp(logits - max_logit).sum(dim=-1))
-    target_logit = logits.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
-    return (lse - target_logit).mean()
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    vocab = logits.shape[-1]
+    keep = targets != ignore_index
+    if bool(((targets[keep] < 0) | (targets[keep] >= vocab)).any()):
+        raise ValueError(f"targets must be in [0, {vocab}) or equal ignore_index ({ignore_index})")
+    z = logits.float()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    max_z = z.amax(dim=-1, keepdim=True)
+    lse = max_z.squeeze(-1) + torch.log(torch.exp(z - max_z).sum(dim=-1))
+    safe_targets = torch.where(keep, targets, 0).long()
+    target_z = z.gather(-1, safe_targets.unsqueeze(-1)).squeeze(-1)
+    per_token = (1.0 - label_smoothing) * (lse - target_z) + label_smoothing * (lse - z.mean(dim=-1))
+    per_token = torch.where(keep, per_token + z_loss * lse * lse, 0.0)
+    if reduction == "none":
+        return per_token
+    if reduction == "sum":
+        return per_token.sum()
+    return per_token.sum() / keep.sum().clamp(min=1)

@@ -1,7 +1,8 @@
 """Fused components: the reference modules with their hot paths swapped for Triton kernels.
 
 Each class subclasses its reference twin, keeping the constructor, parameters and ``state_dict`` keys,
-and overrides only the compute: RMSNorm -> ``rms_norm``; RoPE -> ``apply_rope`` (q and k in one launch
+and overrides only the compute: RMSNorm -> ``rms_norm`` (and ``add_rms_norm`` for the pre-norm residual
+seam); RoPE -> ``apply_rope`` (q and k in one launch
 inside attention); SwiGLU's gate -> ``swiglu_gate`` (the three projections stay cuBLAS matmuls);
 attention -> ``FlashAttention``. Linear and Embedding are the reference ones (cuBLAS / indexing).
 
@@ -47,6 +48,10 @@ class RMSNorm(_ref.RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _kernels().rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rmsnorm(x + residual), x + residual)`` in one kernel (``add_rms_norm``)."""
+        return _kernels().add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryPositionalEmbedding(_ref.RotaryPositionalEmbedding):

@@ -68,6 +68,15 @@ def _make_ffn(kind: str, comps, d_model: int, d_ff: int, device, dtype) -> nn.Mo
     raise ValueError(f"unknown ffn {kind!r}")
 
 
+def _add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(x + residual), x + residual)``: one kernel for a fused RMSNorm (``add_forward``), else spelled out."""
+    add_forward = getattr(norm, "add_forward", None)
+    if add_forward is not None:
+        return add_forward(x, residual)
+    h = x + residual
+    return norm(h), h
+
+
 class TransformerBlock(nn.Module):
     """One decoder block. Pre-norm (default): ``h = x + attn(ln1(x))``, ``out = h + ffn(ln2(h))``.
     Post-norm: ``h = ln1(x + attn(x))``, ``out = ln2(h + ffn(h))``. ``norm="none"`` drops both norms.
@@ -94,10 +103,26 @@ class TransformerBlock(nn.Module):
                 kv_cache=None) -> torch.Tensor:
         """``x[..., seq, d_model] -> [..., seq, d_model]``."""
         if self.norm_position == "pre":
-            h = x + self.attn(self.ln1(x), token_positions, kv_cache)
-            return h + self.ffn(self.ln2(h))
+            h, ffn_out = self.forward_pending(x, None, token_positions, kv_cache)
+            return h + ffn_out
         h = self.ln1(x + self.attn(x, token_positions, kv_cache))
         return self.ln2(h + self.ffn(h))
+
+    def forward_pending(self, residual: torch.Tensor, pending: torch.Tensor | None,
+                        token_positions: torch.Tensor | None = None, kv_cache=None):
+        """Pre-norm block on the input ``residual + pending`` (``pending=None``: ``residual`` alone), returning
+        ``(h, ffn_out)`` with the block's output ``h + ffn_out`` left unsummed.
+
+        Leaving the last addition to the next norm lets every residual add meet its RMSNorm in one fused
+        ``add_rms_norm`` pass (this block's ln1 and ln2, the next block's ln1, the final norm); the reference
+        components spell the same sums out.
+        """
+        if pending is None:
+            h_in, a = residual, self.ln1(residual)
+        else:
+            a, h_in = _add_norm(self.ln1, pending, residual)
+        y, h = _add_norm(self.ln2, self.attn(a, token_positions, kv_cache), h_in)
+        return h, self.ffn(y)
 
 
 class TransformerLM(nn.Module):
@@ -142,12 +167,56 @@ class TransformerLM(nn.Module):
         return cls(**cfg.model_kwargs(), device=device, dtype=dtype, backend=backend)
 
     def forward(self, token_ids: torch.Tensor, token_positions: torch.Tensor | None = None,
-                kv_caches=None) -> torch.Tensor:
-        """``token_ids[batch, seq]`` -> ``logits[batch, seq, vocab_size]``.
+                kv_caches=None, *, document_ids: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+                **loss_options) -> torch.Tensor:
+        """``token_ids[batch, seq]`` -> ``logits[batch, seq, vocab_size]``; with ``targets[batch, seq]``, the
+        loss instead (see :meth:`loss`, which is the documented way to ask for it).
 
         ``kv_caches`` (one :class:`~tritonlm.modules.reference.KVCache` per layer) makes the call
         incremental: ``token_ids`` are then the positions after those already cached.
         """
+        hidden = self.hidden_states(token_ids, token_positions, kv_caches, document_ids=document_ids)
+        if targets is not None:
+            return self._loss_from_hidden(hidden, targets, **loss_options)
+        if loss_options:
+            raise TypeError(f"loss options {sorted(loss_options)} given without targets")
+        return self.lm_head(hidden)
+
+    def loss(self, token_ids: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
+             label_smoothing: float = 0.0, z_loss: float = 0.0, document_ids: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        """Mean next-token cross-entropy of ``token_ids[batch, seq]`` against ``targets[batch, seq]``.
+
+        ``ignore_index`` targets are skipped (the mean is over the others); ``label_smoothing`` as in
+        ``F.cross_entropy``; ``z_loss`` adds ``z_loss · logsumexp²`` per target. The fused backend computes it
+        with ``linear_cross_entropy`` and never forms the ``[batch, seq, vocab]`` logits; the reference backend
+        forms them and applies :func:`tritonlm.modules.functional.cross_entropy`. Goes through ``forward``, so
+        DDP/FSDP/``torch.compile`` wrappers see the whole computation.
+        """
+        return self(token_ids, document_ids=document_ids, targets=targets, ignore_index=ignore_index,
+                    label_smoothing=label_smoothing, z_loss=z_loss)
+
+    def _loss_from_hidden(self, hidden: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
+                          label_smoothing: float = 0.0, z_loss: float = 0.0) -> torch.Tensor:
+        if targets.shape != hidden.shape[:-1]:
+            raise ValueError(f"targets {tuple(targets.shape)} must match token_ids {tuple(hidden.shape[:-1])}")
+        if self.backend == "triton":
+            from .. import kernels
+
+            return kernels.linear_cross_entropy(hidden, self.lm_head.weight, targets, ignore_index=ignore_index,
+                                                label_smoothing=label_smoothing, z_loss=z_loss)
+        from .functional import cross_entropy
+
+        return cross_entropy(self.lm_head(hidden), targets, ignore_index=ignore_index,
+                             label_smoothing=label_smoothing, z_loss=z_loss)
+
+    def hidden_states(self, token_ids: torch.Tensor, token_positions: torch.Tensor | None = None,
+                      kv_caches=None, *, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``token_ids[batch, seq]`` -> the final normed hidden states ``[batch, seq, d_model]`` (the LM head's
+        input)."""
+        if document_ids is not None:
+            raise NotImplementedError("document_ids (packed documents with per-document attention) is not "
+                                      "supported yet; pass one document per row")
         if token_ids.dim() < 1:
             raise ValueError("token_ids must have a sequence dim: [batch, seq] or [seq]")
         seq = token_ids.shape[-1]
@@ -159,9 +228,15 @@ class TransformerLM(nn.Module):
             if token_positions is None:
                 token_positions = torch.arange(past, past + seq, device=token_ids.device)
             x = self.position_encoding(x, token_positions)
+        if self.config.norm_position == "post":
+            for i, layer in enumerate(self.layers):
+                x = layer(x, token_positions, kv_caches[i] if kv_caches else None)
+            return self.ln_final(x)
+        # pre-norm: each block's last residual add is left pending for the next norm to fuse (forward_pending)
+        pending = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, token_positions, kv_caches[i] if kv_caches else None)
-        return self.lm_head(self.ln_final(x))
+            x, pending = layer.forward_pending(x, pending, token_positions, kv_caches[i] if kv_caches else None)
+        return self.ln_final(x) if pending is None else _add_norm(self.ln_final, pending, x)[0]
 
     def new_kv_caches(self):
         from .reference import KVCache

@@ -111,6 +111,11 @@ class RMSNorm(nn.Module):
         rms = torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return (x / rms * self.weight.float()).to(in_dtype)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pre-norm seam: ``h = x + residual`` and ``(self(h), h)``. The fused twin does it in one pass."""
+        h = x + residual
+        return self(h), h
+
     def extra_repr(self) -> str:
         return f"{self.d_model}, eps={self.eps}"
 

@@ -94,7 +94,6 @@ IMPLEMENTATIONS = ("reference", "fused", "compiled-reference", "compiled-fused")
 def make_train_step(cfg: ModelConfig, impl: str, batch: int, seq: int, device: torch.device):
     """A closure running one full training step (forward, loss, backward, AdamW) of ``impl``."""
     from .modules import TransformerLM
-    from .modules.functional import cross_entropy
     from .optim import AdamW
 
     if impl not in IMPLEMENTATIONS:
@@ -111,8 +110,8 @@ def make_train_step(cfg: ModelConfig, impl: str, batch: int, seq: int, device: t
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
     def step():
-        with autocast:
-            loss = cross_entropy(run(x), y)
+        with autocast:  # TransformerLM.loss via forward: the fused backend never forms the logits
+            loss = run(x, targets=y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

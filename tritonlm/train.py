@@ -37,7 +37,6 @@ from .checkpoint import (
 from .config import ModelConfig
 from .data import batch_at, sample_starts
 from .modules import TransformerLM
-from .modules.functional import cross_entropy
 from .optim import AdamW, clip_grad_norm_, cosine_lr_schedule
 
 SPECIAL_TOKENS = ["<|endoftext|>"]
@@ -62,6 +61,8 @@ class TrainConfig:
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
+    z_loss: float = 0.0
+    label_smoothing: float = 0.0
     eval_every: int = 100
     eval_batches: int = 8
     log_every: int = 10
@@ -292,6 +293,11 @@ def train(cfg: TrainConfig, say=print) -> dict:
         mcfg = mcfg.replace(context_length=cfg.context_length)
     if cfg.max_steps <= 0 or cfg.batch_size <= 0 or cfg.grad_accum <= 0:
         raise TrainError("--max-steps, --batch-size and --grad-accum must be positive")
+    if not cfg.z_loss >= 0:
+        raise TrainError(f"--z-loss must be >= 0, got {cfg.z_loss}")
+    if not 0 <= cfg.label_smoothing <= 1:
+        raise TrainError(f"--label-smoothing must be in [0, 1], got {cfg.label_smoothing}")
+    loss_options = dict(label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss)
 
     backend = runnable_backend(cfg.backend, device)  # fails before any data work, with the fix in the message
 
@@ -395,8 +401,8 @@ def train(cfg: TrainConfig, say=print) -> dict:
         total = torch.zeros((), device=device)
         for _ in range(cfg.eval_batches):
             x, y = micro_batch(val_tokens, gen)
-            with autocast:
-                total += cross_entropy(train_model(x), y).float()
+            with autocast:  # the plain cross-entropy (no smoothing, no z-loss): val perplexity stays comparable
+                total += train_model(x, targets=y).float()
         model.train()
         return float(_all_mean(total / cfg.eval_batches, dist_info))
 
@@ -444,8 +450,8 @@ def train(cfg: TrainConfig, say=print) -> dict:
             x, y = micro_batch(train_tokens, generator)
             sync = micro == cfg.grad_accum - 1 or not isinstance(train_model, torch.nn.parallel.DistributedDataParallel)
             with train_model.no_sync() if not sync else _null():
-                with autocast:
-                    loss = cross_entropy(train_model(x), y) / cfg.grad_accum
+                with autocast:  # the loss comes out of forward (DDP/FSDP/compile see it); fused: no logits held
+                    loss = train_model(x, targets=y, **loss_options) / cfg.grad_accum
                 loss.backward()
             loss_acc += loss.detach()
         grad_norm = clip_grad_norm_(model.parameters(), cfg.grad_clip)

@@ -1,0 +1,308 @@
+"""Cross-entropy on given logits in one Triton kernel: loss, logsumexp and (optionally) the gradient.
+
+Per row ``x[vocab]`` with target ``t`` (fp32 math whatever the logits' dtype)::
+
+    z       = softcap · tanh(x / softcap)          (or z = x without a softcap)
+    lse     = log Σ_j exp(z_j)
+    loss    = lse - (1 - ε) z_t - (ε / V) Σ_j z_j  +  z_loss · lse²
+    dL/dz_j = p_j (1 + 2 z_loss · lse) - (1 - ε)[j = t] - ε / V,     p = softmax(z)
+    dL/dx_j = dL/dz_j · (1 - (z_j / softcap)²)
+
+with ε the label smoothing (``F.cross_entropy``'s definition: a mix of the one-hot target and the uniform
+distribution) and ``z_loss · lse²`` PaLM's auxiliary term. A row whose target is ``ignore_index`` has loss 0
+and gradient 0. The kernel walks the vocabulary in ``BLOCK_V``-wide tiles twice: pass 1 keeps an online
+max / sum of exponentials (so logits of ±1e4 never overflow), the target's logit and the sum of logits;
+pass 2, only when a gradient is wanted, rereads the tile, forms ``dL/dx`` times the row's gradient scale
+(``1 / n_valid`` for a mean, ``grad_output[row]`` for ``reduction="none"``) and writes it — into the
+logits' own storage when the caller allows it, so the gradient costs no second ``[rows, vocab]`` buffer.
+
+:func:`cross_entropy` is the public entry point on logits; :mod:`.linear_cross_entropy` calls
+:func:`cross_entropy_rows` on chunks of logits it forms itself and never keeps.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..profiling import kernel_range
+from ._common import as_rows, check_device, check_float, next_pow2, on_gpu, use_custom_op
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+# ----------------------------------------------------------------------------------------------------
+# kernel
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
+    """``softcap · tanh(x / softcap)``; tanh(y) = 1 - 2 / (exp(2y) + 1) saturates cleanly at ±1."""
+    if HAS_SOFTCAP:
+        return softcap * (1.0 - 2.0 / (tl.exp(2.0 * x / softcap) + 1.0))
+    return x
+
+
+@triton.jit
+def _cross_entropy_kernel(
+    LOGITS, TARGETS, LOSS, LSE, ZLOSS, GRAD, GRAD_SCALE,
+    stride_logits_row, stride_grad_row, stride_scale, n_rows, n_vocab,
+    ignore_index, label_smoothing, z_loss, softcap,
+    HAS_SOFTCAP: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    # ---- which rows: BLOCK_T consecutive rows per program
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_mask = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    cols = tl.arange(0, BLOCK_V)
+    target = tl.load(TARGETS + rows64, mask=row_mask, other=ignore_index)
+    valid = row_mask & (target != ignore_index)
+    logit_rows = LOGITS + rows64[:, None] * stride_logits_row
+
+    # ---- pass 1: online max and sum of exp, the target's logit, the sum of logits (label smoothing)
+    m = tl.full([BLOCK_T], float("-inf"), dtype=tl.float32)
+    s = tl.zeros([BLOCK_T], dtype=tl.float32)
+    z_target = tl.zeros([BLOCK_T], dtype=tl.float32)
+    z_sum = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for start in range(0, n_vocab, BLOCK_V):
+        vocab = start + cols
+        mask = row_mask[:, None] & (vocab[None, :] < n_vocab)
+        x = tl.load(logit_rows + vocab[None, :], mask=mask, other=0.0).to(tl.float32)
+        z = _capped(x, softcap, HAS_SOFTCAP)
+        z_sum += tl.sum(tl.where(mask, z, 0.0), axis=1)
+        z_target += tl.sum(tl.where(vocab[None, :] == target[:, None], z, 0.0), axis=1)
+        z = tl.where(mask, z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows see only -inf
+        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(z - m_safe[:, None]), axis=1)
+        m = m_new
+    lse = tl.where(row_mask, m + tl.log(tl.where(row_mask, s, 1.0)), 0.0)
+
+    # ---- per-row loss (0 for ignored rows), the z-loss part on its own for logging
+    smooth = label_smoothing / n_vocab
+    z_term = z_loss * lse * lse
+    loss = lse - (1.0 - label_smoothing) * z_target - smooth * z_sum + z_term
+    tl.store(LOSS + rows64, tl.where(valid, loss, 0.0), mask=row_mask)
+    tl.store(ZLOSS + rows64, tl.where(valid, z_term, 0.0), mask=row_mask)
+    tl.store(LSE + rows64, lse, mask=row_mask)
+
+    # ---- pass 2: dL/dx, scaled per row, written over the tile it was computed from when GRAD aliases LOGITS
+    if WRITE_GRAD:
+        scale = tl.load(GRAD_SCALE + rows64 * stride_scale, mask=row_mask, other=0.0).to(tl.float32)
+        scale = tl.where(valid, scale, 0.0)
+        p_scale = 1.0 + 2.0 * z_loss * lse
+        grad_rows = GRAD + rows64[:, None] * stride_grad_row
+        for start in range(0, n_vocab, BLOCK_V):
+            vocab = start + cols
+            mask = row_mask[:, None] & (vocab[None, :] < n_vocab)
+            x = tl.load(logit_rows + vocab[None, :], mask=mask, other=0.0).to(tl.float32)
+            z = _capped(x, softcap, HAS_SOFTCAP)
+            p = tl.exp(z - lse[:, None])
+            dz = p * p_scale[:, None] - smooth
+            dz -= tl.where(vocab[None, :] == target[:, None], 1.0 - label_smoothing, 0.0)
+            if HAS_SOFTCAP:
+                capped = z / softcap
+                dz = dz * (1.0 - capped * capped)
+            tl.store(grad_rows + vocab[None, :], (dz * scale[:, None]).to(GRAD.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------
+# launcher
+# ----------------------------------------------------------------------------------------------------
+#: GPU: one row per program, 4K-wide vocab tiles (16 fp32 values per thread with 8 warps).
+#: Interpreter: many rows per tile, since each tile is one numpy step there.
+GPU_CONFIG = dict(BLOCK_T=1, BLOCK_V=4096, num_warps=8)
+INTERPRETER_CONFIG = dict(BLOCK_T=16, BLOCK_V=2048, num_warps=4)
+
+
+def _launch_config(n_vocab: int, device: torch.device) -> dict:
+    cfg = dict(GPU_CONFIG if on_gpu(device) else INTERPRETER_CONFIG)
+    cfg["BLOCK_V"] = min(cfg["BLOCK_V"], max(16, next_pow2(n_vocab)))
+    if on_gpu(device):
+        cfg["num_warps"] = max(1, min(cfg["num_warps"], cfg["BLOCK_V"] // 256))
+    return cfg
+
+
+def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
+                       label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
+                       grad: torch.Tensor | None = None, grad_scale: torch.Tensor | None = None):
+    """Launch on ``logits[rows, vocab]`` (unit column stride) and ``targets[rows]``.
+
+    Returns fp32 ``(loss, lse, z_term)``, each ``[rows]``. With ``grad`` (``[rows, vocab]``, may be
+    ``logits`` itself) it also writes ``dL/dlogits · grad_scale`` there; ``grad_scale`` is a 1-element
+    tensor (one scale for all rows) or ``[rows]``.
+    """
+    n_rows, n_vocab = logits.shape
+    loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    lse = torch.empty_like(loss)
+    z_term = torch.empty_like(loss)
+    if n_rows == 0:
+        return loss, lse, z_term
+    write_grad = grad is not None
+    if write_grad:
+        stride_scale = 0 if grad_scale.numel() == 1 else grad_scale.stride(0)
+    else:
+        grad, grad_scale, stride_scale = logits, loss, 0  # unused pointers
+    cfg = _launch_config(n_vocab, logits.device)
+    grid = (triton.cdiv(n_rows, cfg["BLOCK_T"]),)
+    _cross_entropy_kernel[grid](
+        logits, targets, loss, lse, z_term, grad, grad_scale,
+        logits.stride(0), grad.stride(0), stride_scale, n_rows, n_vocab,
+        int(ignore_index), float(label_smoothing), float(z_loss), float(softcap or 0.0),
+        HAS_SOFTCAP=softcap is not None, WRITE_GRAD=write_grad, **cfg)
+    return loss, lse, z_term
+
+
+# ----------------------------------------------------------------------------------------------------
+# checks shared with linear_cross_entropy
+# ----------------------------------------------------------------------------------------------------
+def check_loss_options(op: str, ignore_index, label_smoothing, z_loss, softcap, reduction) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing}")
+    if float(z_loss) < 0.0:
+        raise ValueError(f"{op}: z_loss must be >= 0, got {z_loss}")
+    if softcap is not None and not float(softcap) > 0.0:
+        raise ValueError(f"{op}: softcap must be > 0 (or None), got {softcap}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"{op}: ignore_index must be an int, got {ignore_index!r}")
+
+
+def check_targets(op: str, targets: torch.Tensor, n_vocab: int, ignore_index: int) -> None:
+    """Integer targets in ``[0, n_vocab)`` or equal to ``ignore_index`` (one host sync)."""
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise TypeError(f"{op}: targets must be integer class ids, got {targets.dtype}")
+    if targets.numel() == 0 or targets.device.type == "meta":
+        return
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= n_vocab))
+    if bool(bad.any()):
+        value = int(targets[bad][0])
+        raise ValueError(f"{op}: target {value} is outside [0, {n_vocab}) and is not ignore_index "
+                         f"({ignore_index})")
+
+
+def reduce_loss(loss_rows: torch.Tensor, n_valid: torch.Tensor, reduction: str, shape) -> torch.Tensor:
+    """Mean over non-ignored rows (0 when every row is ignored), sum, or the per-row losses in ``shape``."""
+    if reduction == "mean":
+        return loss_rows.sum() / n_valid.clamp(min=1).reshape(())
+    if reduction == "sum":
+        return loss_rows.sum()
+    return loss_rows.view(shape)
+
+
+def mean_scale(targets: torch.Tensor, ignore_index: int, reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(n_valid, scale)``: the count of non-ignored targets and the gradient scale of a mean or sum,
+    both 1-element fp32 tensors (no host sync)."""
+    n_valid = (targets != ignore_index).sum().to(torch.float32).reshape(1)
+    scale = 1.0 / n_valid.clamp(min=1) if reduction == "mean" else torch.ones_like(n_valid)
+    return n_valid, scale
+
+
+# ----------------------------------------------------------------------------------------------------
+# custom ops (opaque to torch.compile; shapes on meta tensors) and the autograd Function
+# ----------------------------------------------------------------------------------------------------
+def cross_entropy_forward(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, label_smoothing: float,
+                          z_loss: float, softcap: float | None, grad_scale: torch.Tensor, write_grad: bool):
+    """Per-row fp32 ``(loss, z_term)`` and, with ``write_grad``, a fresh ``[rows, vocab]`` gradient of
+    ``sum(loss · grad_scale)`` (else an empty tensor)."""
+    grad = torch.empty_like(logits) if write_grad else None
+    loss, _, z_term = cross_entropy_rows(logits, targets, ignore_index=ignore_index,
+                                         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                                         grad=grad, grad_scale=grad_scale)
+    return loss, z_term, (grad if grad is not None else logits.new_empty(0))
+
+
+@torch.library.custom_op("tritonlm::cross_entropy_fwd", mutates_args=())
+def _ce_fwd_op(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, label_smoothing: float,
+               z_loss: float, softcap: float | None, grad_scale: torch.Tensor, write_grad: bool
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return cross_entropy_forward(logits, targets, ignore_index, label_smoothing, z_loss, softcap, grad_scale,
+                                 write_grad)
+
+
+@_ce_fwd_op.register_fake
+def _(logits, targets, ignore_index, label_smoothing, z_loss, softcap, grad_scale, write_grad):
+    rows = logits.new_empty(logits.shape[0], dtype=torch.float32)
+    return rows, torch.empty_like(rows), (torch.empty_like(logits) if write_grad else logits.new_empty(0))
+
+
+class CrossEntropyFunction(torch.autograd.Function):
+    """Fused cross-entropy on ``logits[rows, vocab]``. For "mean"/"sum" the gradient is formed in the forward
+    (one read of the logits), scaled by ``grad_output`` in backward; for "none" the backward reruns the
+    kernel with ``grad_output`` as the per-row scale."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, ignore_index, label_smoothing, z_loss, softcap, reduction,
+                overwrite_logits):
+        opts = (ignore_index, label_smoothing, z_loss, softcap)
+        n_valid, scale = mean_scale(targets, ignore_index, reduction)
+        grads_now = ctx.needs_input_grad[0] and reduction != "none"
+        with kernel_range("tritonlm::cross_entropy_fwd"):
+            if use_custom_op(logits):
+                loss, z_term, grad = _ce_fwd_op(logits, targets, *opts, scale, grads_now)
+            elif grads_now and overwrite_logits:
+                # the gradient replaces the logits in their own storage: no second [rows, vocab] buffer
+                grad = logits
+                loss, _, z_term = cross_entropy_rows(logits, targets, ignore_index=ignore_index,
+                                                     label_smoothing=label_smoothing, z_loss=z_loss,
+                                                     softcap=softcap, grad=grad, grad_scale=scale)
+            else:
+                loss, z_term, grad = cross_entropy_forward(logits, targets, *opts, scale, grads_now)
+        ctx.reduction, ctx.opts = reduction, opts
+        if reduction == "none":
+            ctx.save_for_backward(logits, targets)
+        else:
+            ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(z_term)
+        return reduce_loss(loss, n_valid, reduction, loss.shape), reduce_loss(z_term, n_valid, reduction,
+                                                                              loss.shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss, _grad_z):
+        if ctx.reduction == "none":
+            logits, targets = ctx.saved_tensors
+            fwd = _ce_fwd_op if use_custom_op(logits) else cross_entropy_forward
+            with kernel_range("tritonlm::cross_entropy_bwd"):
+                _, _, grad = fwd(logits, targets, *ctx.opts, grad_loss.reshape(-1).float(), True)
+        else:
+            (grad,) = ctx.saved_tensors
+            grad = grad * grad_loss.to(grad.dtype)
+        return grad, None, None, None, None, None, None, None
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
+                  label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
+                  reduction: str = "mean", return_z_loss: bool = False, overwrite_logits: bool = False):
+    """Fused cross-entropy of ``logits[..., vocab]`` against integer ``targets[...]``.
+
+    Same semantics as ``F.cross_entropy(logits.float(), targets, ignore_index=..., label_smoothing=...,
+    reduction=...)``, plus ``z_loss · lse²`` per non-ignored target and an optional ``softcap`` on the
+    logits (``softcap · tanh(logits / softcap)``). "mean" divides by the number of non-ignored targets
+    (0 when there are none, not NaN). fp32 math for any logits dtype; one read of the logits.
+
+    ``return_z_loss=True`` returns ``(loss, z_loss_term)``, the second reduced like the first and not
+    differentiable (for logging). ``overwrite_logits=True`` writes the gradient into the logits' storage
+    instead of a fresh ``[..., vocab]`` buffer: the logits' values are gone after the forward, so only use
+    it when nothing reads them afterwards.
+    """
+    if logits.dim() < 1 or logits.shape[:-1] != targets.shape:
+        raise ValueError(f"cross_entropy: logits {tuple(logits.shape)} and targets {tuple(targets.shape)} "
+                         "disagree: expected logits[..., vocab] and targets[...]")
+    if logits.shape[-1] == 0:
+        raise ValueError("cross_entropy: the vocabulary (last dim of logits) is empty")
+    check_float("cross_entropy", logits)
+    check_device("cross_entropy", logits, targets)
+    check_loss_options("cross_entropy", ignore_index, label_smoothing, z_loss, softcap, reduction)
+    check_targets("cross_entropy", targets, logits.shape[-1], ignore_index)
+    rows = as_rows(logits)
+    if overwrite_logits and rows.data_ptr() != logits.data_ptr():
+        overwrite_logits = False  # as_rows had to copy: the copy is private anyway
+    loss, z_term = CrossEntropyFunction.apply(rows, targets.reshape(-1), int(ignore_index),
+                                              float(label_smoothing), float(z_loss),
+                                              None if softcap is None else float(softcap), reduction,
+                                              bool(overwrite_logits))
+    if reduction == "none":
+        loss, z_term = loss.view(targets.shape), z_term.view(targets.shape)
+    return (loss, z_term) if return_z_loss else loss

@@ -1,0 +1,248 @@
+"""Linear layer + cross-entropy without ever holding the ``[tokens, vocab]`` logits.
+
+``loss = cross_entropy(hidden @ weightᵀ, targets)`` computed chunk by chunk over tokens. Per chunk of
+``chunk_rows`` tokens (at most ``CHUNK_ELEMENTS`` logits)::
+
+    logits_c  = hidden_c @ weightᵀ                      cuBLAS, fp32 accumulation, compute dtype out
+    loss_c    = cross-entropy kernel on logits_c       Triton (.cross_entropy): lse, loss, and dL/dlogits_c
+                                                        written over logits_c in place
+    dhidden_c = dlogits_c @ weight                      cuBLAS
+    dweight  += dlogits_cᵀ @ hidden_c                   cuBLAS, accumulated in an fp32 [vocab, d] buffer
+
+so the only vocabulary-sized activations alive are one chunk's logits (reused as their own gradient) and
+the fp32 weight-gradient accumulator: peak extra memory O(chunk · vocab + vocab · d), whatever the
+number of tokens. For ``reduction="mean"``/``"sum"`` the gradients are finished in the forward (three
+matmuls per chunk in all, as eager's forward + backward) and the backward only scales them by
+``grad_output``; for ``"none"`` the per-token gradient scales are only known in backward, which then
+recomputes each chunk's logits (one extra matmul). Without gradients the forward does one matmul per chunk.
+
+Mixed dtypes: the matmuls run in the autocast dtype when autocast is on, else in ``hidden``'s dtype (a
+weight of another dtype is cast once per call); the loss, logsumexp and weight gradient accumulate in fp32
+and the gradients come back in each input's own dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..profiling import kernel_range
+from ._common import check_device, check_float, use_custom_op
+from .cross_entropy import check_loss_options, check_targets, cross_entropy_rows, mean_scale, reduce_loss
+
+#: logits held at once: 16M (64 MiB in fp32); a chunk has at least CHUNK_MIN_ROWS tokens
+CHUNK_ELEMENTS = 1 << 24
+CHUNK_MIN_ROWS = 16
+
+
+def chunk_rows(n_rows: int, n_vocab: int) -> int:
+    """Tokens per chunk: as many as fit ``CHUNK_ELEMENTS`` logits, a multiple of 16 (tensor-core tiles)."""
+    rows = max(CHUNK_MIN_ROWS, CHUNK_ELEMENTS // max(1, n_vocab) // 16 * 16)
+    return max(1, min(n_rows, rows))
+
+
+_MM_OUT_DTYPE = [True]  # whether torch.mm takes out_dtype on CUDA (torch >= 2.8); found out on first use
+
+
+def _accumulate_weight_grad(dweight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
+    """``dweight (fp32) += grad_logitsᵀ @ hidden``; on CUDA a low-precision product goes straight to fp32."""
+    if grad_logits.dtype == torch.float32:
+        dweight.addmm_(grad_logits.t(), hidden)
+        return
+    if grad_logits.is_cuda and _MM_OUT_DTYPE[0]:
+        try:
+            dweight += torch.mm(grad_logits.t(), hidden, out_dtype=torch.float32)
+            return
+        except (TypeError, RuntimeError):
+            _MM_OUT_DTYPE[0] = False
+    dweight += (grad_logits.t() @ hidden).float()
+
+
+def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    if out.dtype == a.dtype:
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(a @ b)
+
+
+def _chunks(n_rows: int, n_vocab: int):
+    step = chunk_rows(n_rows, n_vocab)
+    return [(start, min(n_rows, start + step)) for start in range(0, n_rows, step)]
+
+
+def _weight_grad_buffer(weight: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+
+
+def linear_cross_entropy_forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                                 ignore_index: int, label_smoothing: float, z_loss: float, softcap: float | None,
+                                 grad_scale: torch.Tensor, need_dh: bool, need_dw: bool,
+                                 compute_dtype: torch.dtype):
+    """Chunked forward. Returns fp32 per-row ``(loss, z_term)`` and, when asked, ``dhidden`` (hidden's dtype)
+    and the fp32 ``dweight`` of ``sum(loss · grad_scale)`` (empty tensors when not asked)."""
+    opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
+    n_rows, n_vocab = hidden.shape[0], weight.shape[0]
+    h, w = hidden.to(compute_dtype), weight.to(compute_dtype)
+    loss = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
+    z_term = torch.empty_like(loss)
+    dh = torch.empty_like(hidden) if need_dh else None
+    dw = _weight_grad_buffer(weight) if need_dw else None
+    with torch.autocast(hidden.device.type, enabled=False):
+        for lo, hi in _chunks(n_rows, n_vocab):
+            # ---- this chunk's logits; the kernel overwrites them with their gradient when one is wanted
+            logits = h[lo:hi] @ w.t()
+            grad = logits if (need_dh or need_dw) else None
+            loss[lo:hi], _, z_term[lo:hi] = cross_entropy_rows(logits, targets[lo:hi], grad=grad,
+                                                               grad_scale=grad_scale, **opts)
+            # ---- dhidden_c = dlogits_c W ; dW += dlogits_cᵀ hidden_c
+            if dh is not None:
+                _matmul_into(dh[lo:hi], logits, w)
+            if dw is not None:
+                _accumulate_weight_grad(dw, logits, h[lo:hi])
+            del logits, grad
+    empty = hidden.new_empty(0)
+    return loss, z_term, (dh if dh is not None else empty), (dw if dw is not None else empty)
+
+
+def linear_cross_entropy_backward(grad_rows: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                                  targets: torch.Tensor, ignore_index: int, label_smoothing: float,
+                                  z_loss: float, softcap: float | None, need_dh: bool, need_dw: bool,
+                                  compute_dtype: torch.dtype):
+    """Backward of ``reduction="none"``: recompute each chunk's logits, scale row i's gradient by
+    ``grad_rows[i]``. Returns ``(dhidden, dweight fp32)`` (empty tensors when not asked)."""
+    _, _, dh, dw = linear_cross_entropy_forward(hidden, weight, targets, ignore_index, label_smoothing, z_loss,
+                                                softcap, grad_rows.float(), need_dh, need_dw, compute_dtype)
+    return dh, dw
+
+
+# ----------------------------------------------------------------------------------------------------
+# custom ops (opaque to torch.compile; shapes on meta tensors)
+# ----------------------------------------------------------------------------------------------------
+@torch.library.custom_op("tritonlm::linear_cross_entropy_fwd", mutates_args=())
+def _lce_fwd_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                label_smoothing: float, z_loss: float, softcap: float | None, grad_scale: torch.Tensor,
+                need_dh: bool, need_dw: bool, compute_dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return linear_cross_entropy_forward(hidden, weight, targets, ignore_index, label_smoothing, z_loss, softcap,
+                                        grad_scale, need_dh, need_dw, compute_dtype)
+
+
+@_lce_fwd_op.register_fake
+def _(hidden, weight, targets, ignore_index, label_smoothing, z_loss, softcap, grad_scale, need_dh, need_dw,
+      compute_dtype):
+    rows = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
+    dh = torch.empty_like(hidden) if need_dh else hidden.new_empty(0)
+    dw = weight.new_empty(weight.shape, dtype=torch.float32) if need_dw else hidden.new_empty(0)
+    return rows, torch.empty_like(rows), dh, dw
+
+
+@torch.library.custom_op("tritonlm::linear_cross_entropy_bwd", mutates_args=())
+def _lce_bwd_op(grad_rows: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                ignore_index: int, label_smoothing: float, z_loss: float, softcap: float | None, need_dh: bool,
+                need_dw: bool, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return linear_cross_entropy_backward(grad_rows, hidden, weight, targets, ignore_index, label_smoothing,
+                                         z_loss, softcap, need_dh, need_dw, compute_dtype)
+
+
+@_lce_bwd_op.register_fake
+def _(grad_rows, hidden, weight, targets, ignore_index, label_smoothing, z_loss, softcap, need_dh, need_dw,
+      compute_dtype):
+    dh = torch.empty_like(hidden) if need_dh else hidden.new_empty(0)
+    dw = weight.new_empty(weight.shape, dtype=torch.float32) if need_dw else hidden.new_empty(0)
+    return dh, dw
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """``hidden[rows, d]``, ``weight[vocab, d]``, ``targets[rows]`` -> (loss, z-loss term), reduced.
+
+    "mean"/"sum": gradients finished in the forward and scaled by ``grad_output`` in backward.
+    "none": the backward recomputes the chunks with ``grad_output[row]`` as each row's scale.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, ignore_index, label_smoothing, z_loss, softcap, reduction,
+                compute_dtype):
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grads_now = reduction != "none"
+        n_valid, scale = mean_scale(targets, ignore_index, reduction)
+        fwd = _lce_fwd_op if use_custom_op(hidden) else linear_cross_entropy_forward
+        with kernel_range("tritonlm::linear_cross_entropy_fwd"):
+            loss, z_term, dh, dw = fwd(hidden, weight, targets, ignore_index, label_smoothing, z_loss, softcap,
+                                       scale, grads_now and need_dh, grads_now and need_dw, compute_dtype)
+        ctx.reduction, ctx.compute_dtype, ctx.weight_dtype = reduction, compute_dtype, weight.dtype
+        ctx.opts = (ignore_index, label_smoothing, z_loss, softcap)
+        if grads_now:
+            ctx.save_for_backward(dh, dw)
+        else:
+            ctx.save_for_backward(hidden, weight, targets)
+        ctx.mark_non_differentiable(z_term)
+        return reduce_loss(loss, n_valid, reduction, loss.shape), reduce_loss(z_term, n_valid, reduction,
+                                                                              loss.shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss, _grad_z):
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if ctx.reduction != "none":
+            dh, dw = ctx.saved_tensors
+            g = grad_loss.reshape(())
+        else:
+            hidden, weight, targets = ctx.saved_tensors
+            bwd = _lce_bwd_op if use_custom_op(hidden) else linear_cross_entropy_backward
+            with kernel_range("tritonlm::linear_cross_entropy_bwd"):
+                dh, dw = bwd(grad_loss.reshape(-1), hidden, weight, targets, *ctx.opts, need_dh, need_dw,
+                             ctx.compute_dtype)
+            g = None
+        if need_dh:
+            dh = dh * g.to(dh.dtype) if g is not None else dh
+        if need_dw:
+            dw = (dw * g if g is not None else dw).to(ctx.weight_dtype)
+        return (dh if need_dh else None), (dw if need_dw else None), None, None, None, None, None, None, None
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    except (TypeError, AttributeError):  # torch < 2.4
+        if device_type == "cuda" and torch.is_autocast_enabled():
+            return torch.get_autocast_gpu_dtype()
+    return None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                         ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
+                         softcap: float | None = None, reduction: str = "mean", return_z_loss: bool = False):
+    """``cross_entropy(hidden @ weightᵀ, targets)`` without materialising the ``[tokens, vocab]`` logits.
+
+    Args:
+        hidden: ``[..., d]`` final hidden states (fp32, fp16 or bf16).
+        weight: ``[vocab, d]`` LM-head weight (may differ in dtype from ``hidden``; see the module docstring).
+        targets: ``[...]`` integer ids in ``[0, vocab)`` or ``ignore_index``.
+        label_smoothing, z_loss, softcap, reduction: as :func:`tritonlm.kernels.cross_entropy`.
+        return_z_loss: also return the z-loss term, reduced like the loss and not differentiable.
+
+    Returns the exact loss (not an approximation); gradients flow to ``hidden`` and ``weight``.
+    """
+    if hidden.dim() < 1 or weight.dim() != 2:
+        raise ValueError(f"linear_cross_entropy: expected hidden[..., d] and weight[vocab, d], got "
+                         f"{tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"linear_cross_entropy: hidden has d={hidden.shape[-1]} but weight is "
+                         f"{tuple(weight.shape)} (expected [vocab, {hidden.shape[-1]}])")
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"linear_cross_entropy: hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} "
+                         "disagree: expected hidden[..., d] and targets[...]")
+    if weight.shape[0] == 0:
+        raise ValueError("linear_cross_entropy: the vocabulary (weight rows) is empty")
+    check_float("linear_cross_entropy", hidden, weight)
+    check_device("linear_cross_entropy", hidden, weight, targets)
+    check_loss_options("linear_cross_entropy", ignore_index, label_smoothing, z_loss, softcap, reduction)
+    check_targets("linear_cross_entropy", targets, weight.shape[0], ignore_index)
+    compute_dtype = _autocast_dtype(hidden.device.type) or hidden.dtype
+    loss, z_term = LinearCrossEntropyFunction.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), int(ignore_index),
+        float(label_smoothing), float(z_loss), None if softcap is None else float(softcap), reduction,
+        compute_dtype)
+    if reduction == "none":
+        loss, z_term = loss.view(targets.shape), z_term.view(targets.shape)
+    return (loss, z_term) if return_z_loss else loss
