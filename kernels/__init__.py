@@ -17,8 +17,8 @@ if INTERPRETING:
 from .cross_entropy import CrossEntropyFunction, cross_entropy  # noqa: E402
 from .flash_attention import FlashAttention, flash_attention  # noqa: E402
 from .flash_attention_torch import FlashAttentionTorch  # noqa: E402
-from .rmsnorm import AddRMSNormFunction, RMSNormFunction, add_rms_norm, rms_norm  # noqa: E402
 from .linear_cross_entropy import LinearCrossEntropyFunction, linear_cross_entropy  # noqa: E402
+from .rmsnorm import AddRMSNormFunction, RMSNormFunction, add_rms_norm, rms_norm  # noqa: E402
 from .rope import RoPEFunction, apply_rope, rope_tables  # noqa: E402
 from .swiglu import SwiGLUGateFunction, swiglu_gate  # noqa: E402
 

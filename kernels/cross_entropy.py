@@ -76,12 +76,15 @@ def _cross_entropy_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows see only -inf
         s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(z - m_safe[:, None]), axis=1)
         m = m_new
-    lse = tl.where(row_mask, m + tl.log(tl.where(row_mask, s, 1.0)), 0.0)
+    m = tl.where(row_mask, m, 0.0)
+    log_s = tl.log(tl.where(row_mask, s, 1.0))
+    lse = m + log_s
 
-    # ---- per-row loss (0 for ignored rows), the z-loss part on its own for logging
+    # ---- per-row loss (0 for ignored rows), the z-loss part on its own for logging. The max is subtracted
+    # from the logits before log(s) is added: at |logits| ~ 1e4, lse itself carries fp32's 1e-3 spacing
     smooth = label_smoothing / n_vocab
     z_term = z_loss * lse * lse
-    loss = lse - (1.0 - label_smoothing) * z_target - smooth * z_sum + z_term
+    loss = (1.0 - label_smoothing) * (m - z_target) + label_smoothing * (m - z_sum / n_vocab) + log_s + z_term
     tl.store(LOSS + rows64, tl.where(valid, loss, 0.0), mask=row_mask)
     tl.store(ZLOSS + rows64, tl.where(valid, z_term, 0.0), mask=row_mask)
     tl.store(LSE + rows64, lse, mask=row_mask)
@@ -97,7 +100,7 @@ def _cross_entropy_kernel(
             mask = row_mask[:, None] & (vocab[None, :] < n_vocab)
             x = tl.load(logit_rows + vocab[None, :], mask=mask, other=0.0).to(tl.float32)
             z = _capped(x, softcap, HAS_SOFTCAP)
-            p = tl.exp(z - lse[:, None])
+            p = tl.exp(tl.where(mask, z - m[:, None], float("-inf")) - log_s[:, None])
             dz = p * p_scale[:, None] - smooth
             dz -= tl.where(vocab[None, :] == target[:, None], 1.0 - label_smoothing, 0.0)
             if HAS_SOFTCAP:

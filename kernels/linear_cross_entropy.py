@@ -91,8 +91,9 @@ def linear_cross_entropy_forward(hidden: torch.Tensor, weight: torch.Tensor, tar
             # ---- this chunk's logits; the kernel overwrites them with their gradient when one is wanted
             logits = h[lo:hi] @ w.t()
             grad = logits if (need_dh or need_dw) else None
+            scale = grad_scale if grad_scale.numel() == 1 else grad_scale[lo:hi]  # one for all, or per row
             loss[lo:hi], _, z_term[lo:hi] = cross_entropy_rows(logits, targets[lo:hi], grad=grad,
-                                                               grad_scale=grad_scale, **opts)
+                                                               grad_scale=scale, **opts)
             # ---- dhidden_c = dlogits_c W ; dW += dlogits_cᵀ hidden_c
             if dh is not None:
                 _matmul_into(dh[lo:hi], logits, w)

@@ -43,6 +43,50 @@ def test_fused_lm_logits_and_gradients_match_reference_fp32():
         torch.testing.assert_close(p2.grad, p1.grad, atol=tol / 10, rtol=tol, msg=name)
 
 
+@pytest.mark.parametrize("options", [dict(), dict(label_smoothing=0.1, z_loss=1e-3), dict(ignore_index=5)])
+def test_model_loss_fused_never_forms_logits_and_matches_reference(options, monkeypatch):
+    """TransformerLM.loss: the fused model (linear_cross_entropy, add_rms_norm chain) against the reference
+    model (logits + functional.cross_entropy) in value and every gradient, and against F.cross_entropy."""
+    import torch.nn.functional as TF
+
+    ref, fz = _pair()
+    ids = torch.randint(0, 97, (2, 37))
+    targets = torch.randint(0, 97, (2, 37))
+    targets[0, :6] = options.get("ignore_index", -100)
+    losses = []
+    for model in (ref, fz):
+        loss = model.loss(ids, targets, **options)
+        loss.backward()
+        losses.append(loss)
+    tol = FP32_ATTENTION_TOL
+    torch.testing.assert_close(losses[1], losses[0], atol=tol / 10, rtol=tol / 10)
+    for (name, p1), p2 in zip(ref.named_parameters(), fz.parameters()):
+        torch.testing.assert_close(p2.grad, p1.grad, atol=tol / 10, rtol=tol, msg=name)
+    if not options.get("z_loss"):
+        with torch.no_grad():
+            want = TF.cross_entropy(ref(ids).reshape(-1, 97), targets.reshape(-1),
+                                    ignore_index=options.get("ignore_index", -100),
+                                    label_smoothing=options.get("label_smoothing", 0.0))
+        torch.testing.assert_close(losses[0].detach(), want, atol=1e-5, rtol=1e-5)
+    # the fused loss never asks the LM head module for logits
+    monkeypatch.setattr(fz.lm_head, "forward", lambda x: pytest.fail("fused loss formed the logits"))
+    fz.loss(ids, targets, **options)
+
+
+def test_fused_block_uses_add_rms_norm_for_the_pre_norm_seams(monkeypatch):
+    """Every residual add of a pre-norm fused model meets its norm in add_rms_norm: per block ln2, plus every
+    ln1 after the first block and the final norm."""
+    from tritonlm import kernels
+
+    calls = []
+    original = kernels.add_rms_norm
+    monkeypatch.setattr(kernels, "add_rms_norm", lambda *a, **k: calls.append(1) or original(*a, **k))
+    _, fz = _pair()
+    fz(torch.randint(0, 97, (1, 9)))
+    n = len(fz.layers)
+    assert len(calls) == n + (n - 1) + 1
+
+
 def test_fused_lm_bf16_close_to_fp32_reference():
     ref, _ = _pair()
     fz = TransformerLM(**CFG.model_kwargs(), dtype=torch.bfloat16, backend="triton")

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as TF
 
-from tritonlm.kernels import rms_norm
+from tritonlm.kernels import add_rms_norm, rms_norm
 from tritonlm.modules import fused, reference
 
 from conftest import tolerance
@@ -113,3 +113,78 @@ def test_zero_rows_give_zero_weight_gradient():
     rms_norm(x, w).sum().backward()
     assert x.grad.shape == (0, 16)
     assert torch.equal(w.grad, torch.zeros(16))
+
+
+# ----------------------------------------------------------------------------------------------------
+# add_rms_norm: h = x + residual, y = rmsnorm(h), in one pass
+# ----------------------------------------------------------------------------------------------------
+def _add_rms_norm_fp64(x, residual, w, dy, dh, eps=1e-5):
+    x64, r64, w64 = (t.detach().double().requires_grad_() for t in (x, residual, w))
+    h = x64 + r64
+    y = TF.rms_norm(h, (x.shape[-1],), w64, eps)
+    torch.autograd.backward((y, h), (dy.double(), dh.double()))
+    return y, h, x64.grad, r64.grad, w64.grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (2, 3, 4, 1000), (1, 9000)])
+def test_add_rms_norm_vs_fp64_composition(shape, dtype):
+    x = torch.randn(shape, dtype=dtype, requires_grad=True)
+    residual = torch.randn(shape, dtype=dtype, requires_grad=True)
+    w = (1 + 0.3 * torch.randn(shape[-1])).to(dtype).requires_grad_()
+    y, h = add_rms_norm(x, residual, w)
+    dy, dh = torch.randn_like(y), torch.randn_like(h)
+    torch.autograd.backward((y, h), (dy, dh))
+    y64, h64, dx64, dr64, dw64 = _add_rms_norm_fp64(x, residual, w, dy, dh)
+    tol = {k: v * 4 for k, v in tolerance(dtype).items()}
+    assert y.dtype == h.dtype == x.grad.dtype == residual.grad.dtype == dtype
+    torch.testing.assert_close(h.double(), h64, **tol)
+    torch.testing.assert_close(y.double(), y64, **tol)
+    torch.testing.assert_close(x.grad.double(), dx64, **tol)
+    torch.testing.assert_close(residual.grad.double(), dr64, **tol)
+    scale = max(1.0, dw64.abs().max().item())
+    torch.testing.assert_close(w.grad.double() / scale, dw64 / scale, **tol)
+
+
+def test_add_rms_norm_matches_reference_module_and_fused_module():
+    """The reference RMSNorm's add_forward (the spec) and the fused one agree, non-contiguous inputs included."""
+    ref = reference.RMSNorm(40, eps=1e-6)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(40))
+    fz = fused.RMSNorm(40, eps=1e-6)
+    fz.load_state_dict(ref.state_dict())
+    x = torch.randn(6, 3, 40).transpose(0, 1)  # [3, 6, 40], not contiguous
+    residual = torch.randn(3, 80)[:, :40].unsqueeze(1).expand(3, 6, 40)  # strided, broadcast rows
+    outs = []
+    for norm in (ref, fz):
+        xi, ri = x.clone().requires_grad_(), residual.clone().requires_grad_()
+        y, h = norm.add_forward(xi, ri)
+        (y.sum() * 3 + (h * h).sum()).backward()
+        outs.append((y, h, xi.grad, ri.grad, norm.weight.grad))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_add_rms_norm_only_one_output_used():
+    x, residual = torch.randn(4, 33, requires_grad=True), torch.randn(4, 33, requires_grad=True)
+    w = torch.randn(33, requires_grad=True)
+    y, _ = add_rms_norm(x, residual, w)
+    y.sum().backward()  # dh absent
+    _, _, dx64, _, dw64 = _add_rms_norm_fp64(x, residual, w, torch.ones(4, 33), torch.zeros(4, 33))
+    torch.testing.assert_close(x.grad.double(), dx64, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(residual.grad, x.grad)
+    torch.testing.assert_close(w.grad.double(), dw64, atol=1e-5, rtol=1e-5)
+    x.grad = residual.grad = w.grad = None
+    _, h = add_rms_norm(x, residual, w)
+    (2 * h).sum().backward()  # dy absent: dL/dx = dL/dresidual = 2
+    assert torch.equal(x.grad, torch.full_like(x, 2.0)) and torch.equal(residual.grad, x.grad)
+
+
+def test_add_rms_norm_bad_inputs():
+    w = torch.ones(8)
+    with pytest.raises(ValueError, match="residual"):
+        add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), w)
+    with pytest.raises(TypeError, match="residual is torch.float16"):
+        add_rms_norm(torch.randn(2, 8), torch.randn(2, 8).half(), w)
+    with pytest.raises(ValueError, match="x must be"):
+        add_rms_norm(torch.randn(2, 7), torch.randn(2, 7), w)

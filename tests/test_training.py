@@ -207,6 +207,34 @@ def test_generation_is_deterministic_under_a_seed(corpus, tmp_path):
     assert one == two and len(one) > 0
 
 
+def test_z_loss_and_label_smoothing_reach_the_training_loss(corpus, tmp_path, monkeypatch):
+    """The first logged loss is taken before any update, on the same batch: with z_loss it exceeds the plain
+    run's by z_loss · mean(lse²), and at initialisation lse ≈ log(vocab) (near-uniform logits)."""
+    def first_loss(name, **kw):
+        train(_cfg(corpus, tmp_path / name, max_steps=1, log_every=1, eval_every=1, eval_batches=1, sample_tokens=0, **kw),
+              say=lambda *a: None)
+        return json.loads((tmp_path / name / "log.jsonl").read_text().splitlines()[0])["loss"]
+
+    plain = first_loss("plain")
+    z = first_loss("z", z_loss=1e-2)
+    expected_extra = 1e-2 * np.log(300) ** 2
+    assert abs((z - plain) - expected_extra) < 0.05 * expected_extra
+    # smoothing barely moves a near-uniform first loss, so check the option reaches the model's loss instead
+    from tritonlm.modules.model import TransformerLM as LM
+
+    seen = []
+    original = LM._loss_from_hidden
+    monkeypatch.setattr(LM, "_loss_from_hidden",
+                        lambda self, h, t, **kw: seen.append(kw) or original(self, h, t, **kw))
+    first_loss("smooth", label_smoothing=0.5)
+    assert dict(label_smoothing=0.5, z_loss=0.0) in seen  # training steps
+    assert {} in seen  # validation: the plain cross-entropy
+    with pytest.raises(TrainError, match="--z-loss"):
+        train(_cfg(corpus, tmp_path / "bad", z_loss=-1.0), say=lambda *a: None)
+    with pytest.raises(TrainError, match="--label-smoothing"):
+        train(_cfg(corpus, tmp_path / "bad", label_smoothing=2.0), say=lambda *a: None)
+
+
 def test_bad_inputs(tmp_path, corpus):
     empty = tmp_path / "empty.txt"
     empty.write_text("")

@@ -61,3 +61,52 @@ def activation_table(cfg: ModelConfig, seq_lens=(512, 1024, 2048, 4096), batch_s
     for s, ref, fz, ratio in rows:
         lines.append(f"{s:>6}  {ref / 2**20:>9.1f} MiB  {fz / 2**20:>9.1f} MiB  {ratio:>9.3f}")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------
+# peak live tensor bytes of a computation (any device, CPU included)
+# ----------------------------------------------------------------------------------------------------
+def peak_live_bytes(fn, *args, **kwargs) -> tuple[object, int]:
+    """Run ``fn(*args, **kwargs)`` and return ``(result, peak)``: the most bytes of tensor storage created
+    during the call that were alive at one time (storages existing before the call do not count).
+
+    Every aten op's outputs are seen through a ``TorchDispatchMode`` (autograd's backward ops too), each new
+    storage is counted once when it appears and uncounted when PyTorch frees it (a finalizer on the storage
+    object, which PyTorch keeps as long as the storage lives). Memory a Triton kernel uses internally
+    (registers, or the interpreter's numpy temporaries on CPU) is not tensor storage and is not counted.
+    """
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    state = {"live": 0, "peak": 0}
+    seen: set[int] = set()
+    before = set()
+
+    def release(key: int, nbytes: int):
+        seen.discard(key)
+        state["live"] -= nbytes
+
+    class Tracker(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, f_args=(), f_kwargs=None):
+            out = func(*f_args, **(f_kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                    continue
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key in seen or key in before or storage.nbytes() == 0:
+                    continue
+                seen.add(key)
+                state["live"] += storage.nbytes()
+                state["peak"] = max(state["peak"], state["live"])
+                weakref.finalize(storage, release, key, storage.nbytes())
+            return out
+
+    for t in tree_flatten((args, kwargs))[0]:
+        if isinstance(t, torch.Tensor):
+            before.add(t.untyped_storage().data_ptr())
+    with Tracker():
+        result = fn(*args, **kwargs)
+    return result, state["peak"]
