@@ -23,10 +23,12 @@ and the gradients come back in each input's own dtype.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..profiling import kernel_range
-from ._common import check_device, check_float, use_custom_op
+from ._common import check_device, check_float
 from .cross_entropy import check_loss_options, check_targets, cross_entropy_rows, mean_scale, reduce_loss
 
 #: logits held at once: 16M (64 MiB in fp32); a chunk has at least CHUNK_MIN_ROWS tokens
@@ -86,7 +88,9 @@ def linear_cross_entropy_forward(hidden: torch.Tensor, weight: torch.Tensor, tar
     z_term = torch.empty_like(loss)
     dh = torch.empty_like(hidden) if need_dh else None
     dw = _weight_grad_buffer(weight) if need_dw else None
-    with torch.autocast(hidden.device.type, enabled=False):
+    autocast_off = torch.autocast(hidden.device.type, enabled=False) if hidden.device.type in ("cuda", "cpu") \
+        else contextlib.nullcontext()  # (meta tensors: shape-only accounting runs, no autocast there)
+    with autocast_off:
         for lo, hi in _chunks(n_rows, n_vocab):
             # ---- this chunk's logits; the kernel overwrites them with their gradient when one is wanted
             logits = h[lo:hi] @ w.t()
@@ -165,7 +169,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grads_now = reduction != "none"
         n_valid, scale = mean_scale(targets, ignore_index, reduction)
-        fwd = _lce_fwd_op if use_custom_op(hidden) else linear_cross_entropy_forward
+        # (meta tensors run the real chunk loop too, so memory accounting sees every chunk buffer)
+        fwd = _lce_fwd_op if torch.compiler.is_compiling() else linear_cross_entropy_forward
         with kernel_range("tritonlm::linear_cross_entropy_fwd"):
             loss, z_term, dh, dw = fwd(hidden, weight, targets, ignore_index, label_smoothing, z_loss, softcap,
                                        scale, grads_now and need_dh, grads_now and need_dw, compute_dtype)
@@ -184,19 +189,25 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_z):
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if ctx.reduction != "none":
+            # the finished gradients are private buffers: scaled in place (no second [vocab, d] fp32 copy),
+            # which is why a second backward through the same graph is refused
+            if getattr(ctx, "consumed", False):
+                raise RuntimeError("linear_cross_entropy: backward through the same graph twice (retain_graph=True) "
+                                   "is not supported; run the forward again")
+            ctx.consumed = True
             dh, dw = ctx.saved_tensors
             g = grad_loss.reshape(())
         else:
             hidden, weight, targets = ctx.saved_tensors
-            bwd = _lce_bwd_op if use_custom_op(hidden) else linear_cross_entropy_backward
+            bwd = _lce_bwd_op if torch.compiler.is_compiling() else linear_cross_entropy_backward
             with kernel_range("tritonlm::linear_cross_entropy_bwd"):
                 dh, dw = bwd(grad_loss.reshape(-1), hidden, weight, targets, *ctx.opts, need_dh, need_dw,
                              ctx.compute_dtype)
             g = None
-        if need_dh:
-            dh = dh * g.to(dh.dtype) if g is not None else dh
+        if need_dh and g is not None:
+            dh = dh.mul_(g.to(dh.dtype))
         if need_dw:
-            dw = (dw * g if g is not None else dw).to(ctx.weight_dtype)
+            dw = (dw.mul_(g) if g is not None else dw).to(ctx.weight_dtype)
         return (dh if need_dh else None), (dw if need_dw else None), None, None, None, None, None, None, None
 
 
@@ -207,6 +218,8 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
     except (TypeError, AttributeError):  # torch < 2.4
         if device_type == "cuda" and torch.is_autocast_enabled():
             return torch.get_autocast_gpu_dtype()
+    except RuntimeError:  # a device type without autocast (meta)
+        pass
     return None
 
 

@@ -76,6 +76,13 @@ def cmd_accounting(args) -> int:
 
         print("\nactivation memory saved for backward per layer (measured with saved_tensors_hooks, fp32, batch 1)")
         print(activation_table(cfg, seq_lens=args.activation_seq_lens))
+        from .memory import lm_head_loss_peak_bytes
+
+        tokens = args.batch * args.seq_len
+        head = lm_head_loss_peak_bytes(tokens, cfg.d_model, cfg.vocab_size)
+        print(f"\nLM head + loss, forward + backward, {tokens:,} tokens x vocab {cfg.vocab_size:,} (fp32, peak live "
+              f"tensor bytes): eager linear + F.cross_entropy {_fmt_bytes(head['eager'])}, fused "
+              f"linear_cross_entropy {_fmt_bytes(head['fused'])} ({head['ratio']:.3f}x)")
     return 0
 
 

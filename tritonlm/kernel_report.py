@@ -66,15 +66,17 @@ class Row:
 # capturing launches
 # ----------------------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def _capture():
-    """Record ``kernel[grid](...)`` calls instead of running them."""
+def _capture(keep: bool = True):
+    """Record ``kernel[grid](...)`` calls instead of running them (``keep=False``: just skip them, holding
+    no reference to their arguments)."""
     from triton.runtime.jit import JITFunction
 
     calls = []
     original = JITFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
-        calls.append((self, args, kwargs))
+        if keep:
+            calls.append((self, args, kwargs))
         return None
 
     JITFunction.run = run

@@ -8,6 +8,8 @@ are built on the ``meta`` device, so any width and sequence length is measured i
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .config import ModelConfig
@@ -72,8 +74,9 @@ def peak_live_bytes(fn, *args, **kwargs) -> tuple[object, int]:
 
     Every aten op's outputs are seen through a ``TorchDispatchMode`` (autograd's backward ops too), each new
     storage is counted once when it appears and uncounted when PyTorch frees it (a finalizer on the storage
-    object, which PyTorch keeps as long as the storage lives). Memory a Triton kernel uses internally
-    (registers, or the interpreter's numpy temporaries on CPU) is not tensor storage and is not counted.
+    object, which PyTorch keeps as long as the storage lives). Works on meta tensors too (sizes without
+    data). Memory a Triton kernel uses internally (registers, or the interpreter's numpy temporaries on CPU)
+    is not tensor storage and is not counted.
     """
     import weakref
 
@@ -81,32 +84,86 @@ def peak_live_bytes(fn, *args, **kwargs) -> tuple[object, int]:
     from torch.utils._pytree import tree_flatten
 
     state = {"live": 0, "peak": 0}
-    seen: set[int] = set()
-    before = set()
+    counted: set[int] = set()
+    before = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
 
     def release(key: int, nbytes: int):
-        seen.discard(key)
+        counted.discard(key)
         state["live"] -= nbytes
 
     class Tracker(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, f_args=(), f_kwargs=None):
             out = func(*f_args, **(f_kwargs or {}))
+            # views, in-place and out= results alias an input's storage (their schema returns carry alias
+            # info): that storage is counted already, or existed before
+            if any(r.alias_info is not None for r in func._schema.returns):
+                return out
             for t in tree_flatten(out)[0]:
-                if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                if not isinstance(t, torch.Tensor):
                     continue
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key in seen or key in before or storage.nbytes() == 0:
+                storage = t.untyped_storage()  # one Python object per live storage, so id() names it
+                key, nbytes = id(storage), storage.nbytes()
+                if key in counted or key in before or nbytes == 0:
                     continue
-                seen.add(key)
-                state["live"] += storage.nbytes()
+                counted.add(key)
+                state["live"] += nbytes
                 state["peak"] = max(state["peak"], state["live"])
-                weakref.finalize(storage, release, key, storage.nbytes())
+                weakref.finalize(storage, release, key, nbytes)
             return out
 
-    for t in tree_flatten((args, kwargs))[0]:
-        if isinstance(t, torch.Tensor):
-            before.add(t.untyped_storage().data_ptr())
     with Tracker():
         result = fn(*args, **kwargs)
     return result, state["peak"]
+
+
+@contextlib.contextmanager
+def _skip_triton_launches():
+    """Triton launches become no-ops (meta tensors have no data to compute on), compiled or interpreted."""
+    from .kernels._common import INTERPRETING
+
+    if not INTERPRETING:
+        from .kernel_report import _capture
+
+        with _capture(keep=False):
+            yield
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+
+    original = InterpretedFunction.run
+    InterpretedFunction.run = lambda self, *args, **kwargs: None
+    try:
+        yield
+    finally:
+        InterpretedFunction.run = original
+
+
+def lm_head_loss_peak_bytes(n_tokens: int, d_model: int, vocab_size: int, dtype: torch.dtype = torch.float32,
+                            device="meta") -> dict:
+    """Peak live tensor bytes of forward + backward of LM head + loss: eager (``hidden @ Wᵀ`` then
+    ``F.cross_entropy``) vs fused ``linear_cross_entropy``, hidden and weight requiring gradients.
+
+    On ``device="meta"`` (any size, instantly, no kernel needed) the fused path runs its real chunk loop with
+    the Triton launches recorded instead of executed, so every buffer it allocates is counted; on CPU (with
+    ``TRITON_INTERPRET=1``) or CUDA it runs for real.
+    """
+    import torch.nn.functional as F
+
+    from .kernels import linear_cross_entropy
+
+    hidden = torch.randn(n_tokens, d_model, dtype=dtype, device=device, requires_grad=True)
+    weight = torch.randn(vocab_size, d_model, dtype=dtype, device=device, requires_grad=True)
+    targets = torch.randint(0, vocab_size, (n_tokens,), device=device)
+
+    def eager():
+        F.cross_entropy((hidden @ weight.t()).float(), targets).backward()
+
+    def fused():
+        linear_cross_entropy(hidden, weight, targets).backward()
+
+    out = {}
+    for name, fn in (("eager", eager), ("fused", fused)):
+        hidden.grad = weight.grad = None
+        with _skip_triton_launches() if torch.device(device).type == "meta" else contextlib.nullcontext():
+            out[name] = peak_live_bytes(fn)[1]
+    out["ratio"] = out["fused"] / out["eager"]
+    return out
