@@ -44,6 +44,53 @@ def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _stats_tiles(m, s, z_target, z_sum, logit_rows, row_mask, target, cols, tile_start, tile_end, n_vocab,
+                 softcap, HAS_SOFTCAP: tl.constexpr, MASK_COLS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Pass 1 over vocab tiles ``[tile_start, tile_end)``: fold them into the running max ``m``, sum of
+    exponentials ``s``, target logit and logit sum. Whole tiles (``MASK_COLS=False``) need no column mask,
+    so their loads stay 128-bit vectors; only the ragged last tile masks columns."""
+    for start in range(tile_start, tile_end, BLOCK_V):
+        vocab = start + cols
+        if MASK_COLS:
+            mask = row_mask[:, None] & (vocab[None, :] < n_vocab)
+        else:
+            mask = row_mask[:, None] & (vocab[None, :] >= 0)
+        x = tl.load(logit_rows + vocab[None, :], mask=mask, other=0.0).to(tl.float32)
+        z = _capped(x, softcap, HAS_SOFTCAP)
+        z_sum += tl.sum(tl.where(mask, z, 0.0), axis=1)
+        z_target += tl.sum(tl.where(vocab[None, :] == target[:, None], z, 0.0), axis=1)
+        z = tl.where(mask, z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows see only -inf
+        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(z - m_safe[:, None]), axis=1)
+        m = m_new
+    return m, s, z_target, z_sum
+
+
+@triton.jit
+def _grad_tiles(logit_rows, grad_rows, row_mask, target, cols, tile_start, tile_end, n_vocab, m, log_s, p_scale,
+                scale, smooth, label_smoothing, softcap, HAS_SOFTCAP: tl.constexpr, MASK_COLS: tl.constexpr,
+                BLOCK_V: tl.constexpr):
+    """Pass 2 over vocab tiles ``[tile_start, tile_end)``: ``dL/dx`` times the row's scale, stored to the
+    gradient rows (column mask only on the ragged last tile, as in pass 1)."""
+    for start in range(tile_start, tile_end, BLOCK_V):
+        vocab = start + cols
+        if MASK_COLS:
+            mask = row_mask[:, None] & (vocab[None, :] < n_vocab)
+        else:
+            mask = row_mask[:, None] & (vocab[None, :] >= 0)
+        x = tl.load(logit_rows + vocab[None, :], mask=mask, other=0.0).to(tl.float32)
+        z = _capped(x, softcap, HAS_SOFTCAP)
+        p = tl.exp(tl.where(mask, z - m[:, None], float("-inf")) - log_s[:, None])
+        dz = p * p_scale[:, None] - smooth
+        dz -= tl.where(vocab[None, :] == target[:, None], 1.0 - label_smoothing, 0.0)
+        if HAS_SOFTCAP:
+            capped = z / softcap
+            dz = dz * (1.0 - capped * capped)
+        tl.store(grad_rows + vocab[None, :], (dz * scale[:, None]).to(grad_rows.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _cross_entropy_kernel(
     LOGITS, TARGETS, LOSS, LSE, ZLOSS, GRAD, GRAD_SCALE,
     stride_logits_row, stride_grad_row, stride_scale, n_rows, n_vocab,
@@ -58,24 +105,17 @@ def _cross_entropy_kernel(
     target = tl.load(TARGETS + rows64, mask=row_mask, other=ignore_index)
     valid = row_mask & (target != ignore_index)
     logit_rows = LOGITS + rows64[:, None] * stride_logits_row
+    full_end = n_vocab // BLOCK_V * BLOCK_V  # whole tiles end here; [full_end, n_vocab) is the ragged tail
 
     # ---- pass 1: online max and sum of exp, the target's logit, the sum of logits (label smoothing)
     m = tl.full([BLOCK_T], float("-inf"), dtype=tl.float32)
     s = tl.zeros([BLOCK_T], dtype=tl.float32)
     z_target = tl.zeros([BLOCK_T], dtype=tl.float32)
     z_sum = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for start in range(0, n_vocab, BLOCK_V):
-        vocab = start + cols
-        mask = row_mask[:, None] & (vocab[None, :] < n_vocab)
-        x = tl.load(logit_rows + vocab[None, :], mask=mask, other=0.0).to(tl.float32)
-        z = _capped(x, softcap, HAS_SOFTCAP)
-        z_sum += tl.sum(tl.where(mask, z, 0.0), axis=1)
-        z_target += tl.sum(tl.where(vocab[None, :] == target[:, None], z, 0.0), axis=1)
-        z = tl.where(mask, z, float("-inf"))
-        m_new = tl.maximum(m, tl.max(z, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows see only -inf
-        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(z - m_safe[:, None]), axis=1)
-        m = m_new
+    m, s, z_target, z_sum = _stats_tiles(m, s, z_target, z_sum, logit_rows, row_mask, target, cols, 0, full_end,
+                                         n_vocab, softcap, HAS_SOFTCAP, False, BLOCK_V)
+    m, s, z_target, z_sum = _stats_tiles(m, s, z_target, z_sum, logit_rows, row_mask, target, cols, full_end,
+                                         n_vocab, n_vocab, softcap, HAS_SOFTCAP, True, BLOCK_V)
     m = tl.where(row_mask, m, 0.0)
     log_s = tl.log(tl.where(row_mask, s, 1.0))
     lse = m + log_s
@@ -95,18 +135,10 @@ def _cross_entropy_kernel(
         scale = tl.where(valid, scale, 0.0)
         p_scale = 1.0 + 2.0 * z_loss * lse
         grad_rows = GRAD + rows64[:, None] * stride_grad_row
-        for start in range(0, n_vocab, BLOCK_V):
-            vocab = start + cols
-            mask = row_mask[:, None] & (vocab[None, :] < n_vocab)
-            x = tl.load(logit_rows + vocab[None, :], mask=mask, other=0.0).to(tl.float32)
-            z = _capped(x, softcap, HAS_SOFTCAP)
-            p = tl.exp(tl.where(mask, z - m[:, None], float("-inf")) - log_s[:, None])
-            dz = p * p_scale[:, None] - smooth
-            dz -= tl.where(vocab[None, :] == target[:, None], 1.0 - label_smoothing, 0.0)
-            if HAS_SOFTCAP:
-                capped = z / softcap
-                dz = dz * (1.0 - capped * capped)
-            tl.store(grad_rows + vocab[None, :], (dz * scale[:, None]).to(GRAD.dtype.element_ty), mask=mask)
+        _grad_tiles(logit_rows, grad_rows, row_mask, target, cols, 0, full_end, n_vocab, m, log_s, p_scale, scale,
+                    smooth, label_smoothing, softcap, HAS_SOFTCAP, False, BLOCK_V)
+        _grad_tiles(logit_rows, grad_rows, row_mask, target, cols, full_end, n_vocab, n_vocab, m, log_s, p_scale,
+                    scale, smooth, label_smoothing, softcap, HAS_SOFTCAP, True, BLOCK_V)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@
     dhidden_c = dlogits_c @ weight                      cuBLAS
     dweight  += dlogits_cᵀ @ hidden_c                   cuBLAS, accumulated in an fp32 [vocab, d] buffer
 
-so the only vocabulary-sized activations alive are one chunk's logits (reused as their own gradient) and
+so the only vocabulary-sized activations alive are one chunk's logits (reused as their own gradient, in one
+buffer whose rows are padded to 16 elements for aligned, vectorised loads) and
 the fp32 weight-gradient accumulator: peak extra memory O(chunk · vocab + vocab · d), whatever the
 number of tokens. For ``reduction="mean"``/``"sum"`` the gradients are finished in the forward (three
 matmuls per chunk in all, as eager's forward + backward) and the backward only scales them by
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import triton
 
 from ..profiling import kernel_range
 from ._common import check_device, check_float
@@ -90,10 +92,14 @@ def linear_cross_entropy_forward(hidden: torch.Tensor, weight: torch.Tensor, tar
     dw = _weight_grad_buffer(weight) if need_dw else None
     autocast_off = torch.autocast(hidden.device.type, enabled=False) if hidden.device.type in ("cuda", "cpu") \
         else contextlib.nullcontext()  # (meta tensors: shape-only accounting runs, no autocast there)
+    # one chunk buffer, rows padded to a multiple of 16 elements so that every row starts 16-byte aligned
+    # and the loss kernel's loads vectorise (GPT-2's 50257 columns would not)
+    padded = triton.cdiv(n_vocab, 16) * 16
+    buffer = torch.empty(chunk_rows(n_rows, n_vocab), padded, dtype=compute_dtype, device=hidden.device)
     with autocast_off:
         for lo, hi in _chunks(n_rows, n_vocab):
             # ---- this chunk's logits; the kernel overwrites them with their gradient when one is wanted
-            logits = h[lo:hi] @ w.t()
+            logits = torch.mm(h[lo:hi], w.t(), out=buffer[:hi - lo, :n_vocab])
             grad = logits if (need_dh or need_dw) else None
             scale = grad_scale if grad_scale.numel() == 1 else grad_scale[lo:hi]  # one for all, or per row
             loss[lo:hi], _, z_term[lo:hi] = cross_entropy_rows(logits, targets[lo:hi], grad=grad,
@@ -104,6 +110,7 @@ def linear_cross_entropy_forward(hidden: torch.Tensor, weight: torch.Tensor, tar
             if dw is not None:
                 _accumulate_weight_grad(dw, logits, h[lo:hi])
             del logits, grad
+    del buffer
     empty = hidden.new_empty(0)
     return loss, z_term, (dh if dh is not None else empty), (dw if dw is not None else empty)
 

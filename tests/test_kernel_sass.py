@@ -33,7 +33,8 @@ def _by(rows, arch, prefix=""):
 
 def test_every_kernel_is_covered(rows):
     kernels = {r["kernel"] for r in rows}
-    assert kernels == {"rmsnorm.fwd", "rmsnorm.bwd", "rmsnorm.dw_reduce", "swiglu.fwd", "swiglu.bwd", "rope.fwd",
+    assert kernels == {"rmsnorm.fwd", "rmsnorm.bwd", "rmsnorm.dw_reduce", "add_rmsnorm.fwd", "add_rmsnorm.bwd",
+                       "swiglu.fwd", "swiglu.bwd", "rope.fwd", "cross_entropy.fwd+grad",
                        "attention.fwd", "attention.bwd_preprocess", "attention.bwd_dkdv", "attention.bwd_dq"}
     assert {r["arch"] for r in rows} == {"sm_90", "sm_80"}
 
@@ -55,8 +56,13 @@ def test_elementwise_loads_are_vectorised(rows, arch):
     for r in rows:
         if r["arch"] != arch or r["kernel"].startswith("attention"):
             continue
-        assert not r["sass"].get("LDG.16") and not r["sass"].get("LDG.8"), r
         assert r["sass"].get("LDG.128", 0) > 0, r
+        if r["kernel"] == "cross_entropy.fwd+grad":
+            # whole vocab tiles load 128-bit vectors; the ragged last tile of an odd vocab (50257) cannot, and
+            # its masked 16-bit loads are all there is besides: fewer of them than one tile's worth of lanes
+            assert r["sass"].get("LDG.128") >= 2 and r["sass"].get("LDG.16", 0) <= 64, r
+            continue
+        assert not r["sass"].get("LDG.16") and not r["sass"].get("LDG.8"), r
 
 
 def test_attention_uses_tensor_cores(rows):

@@ -148,6 +148,10 @@ def representative_launches(quick: bool = False, arch: str = "sm_90") -> list[La
             calls = calls_of(lambda x=x, w=w, rstd=rstd: rmsnorm.rms_norm_backward(x, x, w, rstd))
             out.append(_to_launch("rmsnorm.bwd", case, calls[0]))
             out.append(_to_launch("rmsnorm.dw_reduce", case, calls[1]))
+            calls = calls_of(lambda x=x, w=w: rmsnorm.add_rms_norm_forward(x, x, w, 1e-5))
+            out.append(_to_launch("add_rmsnorm.fwd", case, calls[0]))
+            calls = calls_of(lambda x=x, w=w, rstd=rstd: rmsnorm.rms_norm_backward(x, x, w, rstd, x))
+            out.append(_to_launch("add_rmsnorm.bwd", case, calls[0]))
             calls = calls_of(lambda x=x: swiglu.swiglu_forward(x, x))
             out.append(_to_launch("swiglu.fwd", case, calls[0]))
             calls = calls_of(lambda x=x: swiglu.swiglu_backward(x, x, x))
@@ -163,6 +167,18 @@ def representative_launches(quick: bool = False, arch: str = "sm_90") -> list[La
             launch = _to_launch("rope.fwd", case, calls[0])
             launch.bytes_moved = 4 * _nbytes(q) + 2 * _nbytes(cos) + _nbytes(pos)
             out.append(launch)
+    # fused loss on a chunk of logits: 4096 tokens x GPT-2's vocab, loss + gradient in one kernel
+    ce = importlib.import_module("tritonlm.kernels.cross_entropy")
+    for dtype in dtypes:
+        dname = str(dtype).replace("torch.", "")
+        # as linear_cross_entropy lays out a chunk: rows padded to a multiple of 16 elements
+        logits = torch.empty(rows, 50272, dtype=dtype, device=meta)[:, :50257]
+        targets = torch.empty(rows, dtype=torch.int64, device=meta)
+        scale = torch.empty(1, dtype=torch.float32, device=meta)
+        calls = calls_of(lambda lg=logits, t=targets, sc=scale: ce.cross_entropy_rows(lg, t, grad=lg, grad_scale=sc))
+        launch = _to_launch("cross_entropy.fwd+grad", f"{rows}x50257 {dname}", calls[0])
+        launch.bytes_moved = 3 * _nbytes(logits)  # two reads of the logits, one write of the gradient
+        out.append(launch)
     # attention: bf16 (fp32 too in the full report), causal, batch 1 x 16 heads x 4096
     for dtype in dtypes:
         dname = str(dtype).replace("torch.", "")
