@@ -100,11 +100,13 @@ class TransformerBlock(nn.Module):
         self.ffn = _make_ffn(ffn, comps, d_model, d_ff, device, dtype)
 
     def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None,
-                kv_cache=None) -> torch.Tensor:
-        """``x[..., seq, d_model] -> [..., seq, d_model]``."""
+                kv_cache=None, *, pending: torch.Tensor | None = None, return_pending: bool = False):
+        """``x[..., seq, d_model] -> [..., seq, d_model]``. Pre-norm only: ``pending`` is added to ``x`` first and
+        ``return_pending=True`` returns ``(h, ffn_out)`` unsummed (see :meth:`forward_pending`); going through
+        ``__call__`` keeps module hooks (FSDP's unsharding) in effect."""
         if self.norm_position == "pre":
-            h, ffn_out = self.forward_pending(x, None, token_positions, kv_cache)
-            return h + ffn_out
+            h, ffn_out = self.forward_pending(x, pending, token_positions, kv_cache)
+            return (h, ffn_out) if return_pending else h + ffn_out
         h = self.ln1(x + self.attn(x, token_positions, kv_cache))
         return self.ln2(h + self.ffn(h))
 
@@ -235,7 +237,8 @@ class TransformerLM(nn.Module):
         # pre-norm: each block's last residual add is left pending for the next norm to fuse (forward_pending)
         pending = None
         for i, layer in enumerate(self.layers):
-            x, pending = layer.forward_pending(x, pending, token_positions, kv_caches[i] if kv_caches else None)
+            x, pending = layer(x, token_positions, kv_caches[i] if kv_caches else None, pending=pending,
+                               return_pending=True)
         return self.ln_final(x) if pending is None else _add_norm(self.ln_final, pending, x)[0]
 
     def new_kv_caches(self):
