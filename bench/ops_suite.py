@@ -41,7 +41,7 @@ def _modes(forward, inputs, device, smoke):
 
 
 def op_rows(device, copy_bw, smoke=False, time_left=lambda: 1e9):
-    from tritonlm.kernels import apply_rope, rms_norm, swiglu_gate
+    from tritonlm.kernels import add_rms_norm, apply_rope, rms_norm, swiglu_gate
     from tritonlm.modules import functional as F
     from tritonlm.modules import reference
 
@@ -55,6 +55,18 @@ def op_rows(device, copy_bw, smoke=False, time_left=lambda: 1e9):
 
     def swi_ref(a, b):
         return F.silu(a) * b
+
+    def add_norm_ref(x, r, w):
+        y, h = reference_add_norm(x, r, w)
+        return y + h  # one output for _modes: both results flow back
+
+    def add_norm_ours(x, r, w):
+        y, h = add_rms_norm(x, r, w, 1e-5)
+        return y + h
+
+    def reference_add_norm(x, r, w):
+        h = x + r
+        return rms_ref(h, w), h
 
     liger = liger_impls() if device.type == "cuda" else {}
 
@@ -70,12 +82,17 @@ def op_rows(device, copy_bw, smoke=False, time_left=lambda: 1e9):
             "rmsnorm": ({"reference": rms_ref, "torch F.rms_norm": lambda x, w: TF.rms_norm(x, (x.shape[-1],), w, 1e-5),
                          "tritonlm": lambda x, w: rms_norm(x, w, 1e-5)}, (x, w), {"fwd": 2 * n, "bwd": 3 * n}),
             "swiglu": ({"reference": swi_ref, "tritonlm": swiglu_gate}, (x, b), {"fwd": 3 * n, "bwd": 5 * n}),
+            # fwd reads x, r and writes y, h; bwd reads dy, dh (one upstream gradient here: y + h summed), h,
+            # writes dx (the same tensor serves the residual)
+            "add_rmsnorm": ({"reference": add_norm_ref, "tritonlm": add_norm_ours}, (x, b, w),
+                            {"fwd": 4 * n, "bwd": 4 * n}),
         }
         for name in ("rmsnorm", "swiglu"):
             if name in liger:
                 cases[name][0]["liger-kernel"] = liger[name]
         if (rows_, hidden) == compile_shape:
             cases["rmsnorm"][0]["torch.compile(reference)"] = torch.compile(rms_ref, dynamic=False)
+            cases["add_rmsnorm"][0]["torch.compile(reference)"] = torch.compile(add_norm_ref, dynamic=False)
             cases["swiglu"][0]["torch.compile(reference)"] = torch.compile(swi_ref, dynamic=False)
         # RoPE on q and k: [batch, heads, seq, d] views with d = 128, as many rows as the x tensor
         d = 128 if hidden >= 128 else 16
@@ -185,4 +202,66 @@ def train_rows(device, smoke=False, time_left=lambda: 1e9):
             cfg = ModelConfig.preset(r.preset)
             d["train_TFLOPs"] = accounting.training_flops(cfg, r.seq, r.batch) / r.mean_s / 1e12
         rows.append(d)
+    return rows
+
+
+def loss_rows(device, smoke=False, time_left=lambda: 1e9):
+    """LM head + loss, forward + backward: eager ``hidden @ W.T`` + ``F.cross_entropy``, its torch.compile,
+    Liger's fused linear cross-entropy and Cut Cross-Entropy when importable, and ours; time and peak memory."""
+    from tritonlm.kernels import linear_cross_entropy
+    from tritonlm.memory import peak_live_bytes
+
+    dtype = torch.float32 if smoke else torch.bfloat16
+    shapes = [(64, 32, 1000)] if smoke else [(8192, 768, 50257), (8192, 4096, 128256)]
+
+    def eager(h, w, t):
+        return TF.cross_entropy((h @ w.t()).float(), t)
+
+    impls = {"eager": eager, "tritonlm": lambda h, w, t: linear_cross_entropy(h, w, t)}
+    if not smoke:
+        impls["torch.compile(eager)"] = torch.compile(eager, dynamic=False)
+        try:
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+            liger = LigerFusedLinearCrossEntropyLoss()
+            impls["liger-kernel"] = lambda h, w, t: liger(w, h, t)
+        except ImportError:
+            pass
+        try:
+            from cut_cross_entropy import linear_cross_entropy as cce
+
+            impls["cut-cross-entropy"] = lambda h, w, t: cce(h, w, t)
+        except ImportError:
+            pass
+    rows = []
+    for n, d, v in shapes:
+        if time_left() < 60:
+            break
+        hidden = torch.randn(n, d, device=device, dtype=dtype, requires_grad=True)
+        weight = (torch.randn(v, d, device=device, dtype=dtype) / d**0.5).requires_grad_()
+        targets = torch.randint(0, v, (n,), device=device)
+        for impl, fn in impls.items():
+            def step(fn=fn, hidden=hidden, weight=weight, targets=targets):
+                fn(hidden, weight, targets).backward()
+                hidden.grad = weight.grad = None
+
+            try:
+                ms = _ms(_time(step, device, smoke))
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                    step()
+                    torch.cuda.synchronize()
+                    peak = torch.cuda.max_memory_allocated() - base
+                else:
+                    peak = peak_live_bytes(step)[1]
+            except Exception as e:  # out of memory, or a baseline that rejects the shape
+                rows.append({"shape": f"{n}x{d}x{v}", "impl": impl, "error": repr(e)[:200]})
+                continue
+            rows.append({"shape": f"{n}x{d}x{v}", "dtype": str(dtype)[6:], "impl": impl, "fwd_bwd_ms": ms,
+                         "peak_MiB": peak / 2**20})
+        del hidden, weight
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return rows

@@ -28,7 +28,7 @@ def verdicts(report) -> list[dict]:
                     "detail": detail})
 
     ops = [r for r in _rows(report, "ops") if "error" not in r]
-    for op in ("rmsnorm", "swiglu", "rope"):
+    for op in ("rmsnorm", "add_rmsnorm", "swiglu", "rope"):
         for mode in ("fwd", "bwd"):
             ours = [r for r in ops if r["op"] == op and r["mode"] == mode and r["impl"] == "tritonlm"]
             if not ours:
@@ -54,6 +54,17 @@ def verdicts(report) -> list[dict]:
             if pairs:
                 ratio = min(r[key] / o[key] for o, r in pairs)
                 add(f"attention {label} >= 1.0x SDPA flash", ratio >= 1.0, f"worst {ratio:.2f}x")
+    loss = [r for r in _rows(report, "lm_head_loss") if "error" not in r]
+    for shape in sorted({r["shape"] for r in loss}):
+        by = {r["impl"]: r for r in loss if r["shape"] == shape}
+        if "tritonlm" in by and "eager" in by:
+            t = by["tritonlm"]["fwd_bwd_ms"] / by["eager"]["fwd_bwd_ms"]
+            add(f"linear cross-entropy {shape}: time <= 1.1x eager", t <= 1.1, f"{t:.2f}x eager")
+            m = by["tritonlm"]["peak_MiB"] / by["eager"]["peak_MiB"]
+            add(f"linear cross-entropy {shape}: peak memory <= 1/10 eager", m <= 0.1, f"{m:.3f}")
+        if "tritonlm" in by and "liger-kernel" in by:
+            s = by["liger-kernel"]["fwd_bwd_ms"] / by["tritonlm"]["fwd_bwd_ms"]
+            add(f"linear cross-entropy {shape}: faster than Liger", s >= 1.0, f"{s:.2f}x")
     steps = [r for r in _rows(report, "train_step") if r.get("mean_s")]
     for preset in sorted({r["preset"] for r in steps}):
         by = {r["impl"]: r for r in steps if r["preset"] == preset}
@@ -133,6 +144,7 @@ def render_markdown(report) -> str:
           _table(report.get("verdicts", []), ["target", "verdict", "detail"])]
     for name, cols in (("kernel_tests", ["tests", "passed", "failed", "errored", "not run", "pytest exit code", "log"]), ("ops", ["op", "shape", "dtype", "impl", "mode", "ms", "GBps", "pct_copy_bw", "error"]),
                        ("attention", ["shape", "dtype", "impl", "fwd_ms", "fwd_bwd_ms", "fwd_TFLOPs", "fwd_bwd_TFLOPs", "fwd_pct_matmul_peak", "error"]),
+                       ("lm_head_loss", ["shape", "dtype", "impl", "fwd_bwd_ms", "peak_MiB", "error"]),
                        ("train_step", ["preset", "impl", "batch", "seq", "mean_s", "std_s", "tokens_per_s", "mfu", "train_TFLOPs", "peak_bytes", "error"]),
                        ("activation_memory", ["preset", "seq", "reference", "fused", "ratio"])):
         sec = report["sections"].get(name)

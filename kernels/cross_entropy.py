@@ -44,19 +44,26 @@ def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _load_tile(logit_rows, row_mask, cols, start, n_vocab, softcap, HAS_SOFTCAP: tl.constexpr,
+               MASK_COLS: tl.constexpr):
+    """``(vocab, mask, z)`` of the tile at column ``start``: z the (softcapped) fp32 logits. Whole tiles
+    (``MASK_COLS=False``) need no column mask, so their loads stay 128-bit vectors."""
+    vocab = start + cols
+    if MASK_COLS:
+        mask = row_mask[:, None] & (vocab[None, :] < n_vocab)
+    else:
+        mask = row_mask[:, None] & (vocab[None, :] >= 0)
+    x = tl.load(logit_rows + vocab[None, :], mask=mask, other=0.0).to(tl.float32)
+    return vocab, mask, _capped(x, softcap, HAS_SOFTCAP)
+
+
+@triton.jit
 def _stats_tiles(m, s, z_target, z_sum, logit_rows, row_mask, target, cols, tile_start, tile_end, n_vocab,
                  softcap, HAS_SOFTCAP: tl.constexpr, MASK_COLS: tl.constexpr, BLOCK_V: tl.constexpr):
     """Pass 1 over vocab tiles ``[tile_start, tile_end)``: fold them into the running max ``m``, sum of
-    exponentials ``s``, target logit and logit sum. Whole tiles (``MASK_COLS=False``) need no column mask,
-    so their loads stay 128-bit vectors; only the ragged last tile masks columns."""
+    exponentials ``s``, target logit and logit sum (only the ragged last tile masks columns)."""
     for start in range(tile_start, tile_end, BLOCK_V):
-        vocab = start + cols
-        if MASK_COLS:
-            mask = row_mask[:, None] & (vocab[None, :] < n_vocab)
-        else:
-            mask = row_mask[:, None] & (vocab[None, :] >= 0)
-        x = tl.load(logit_rows + vocab[None, :], mask=mask, other=0.0).to(tl.float32)
-        z = _capped(x, softcap, HAS_SOFTCAP)
+        vocab, mask, z = _load_tile(logit_rows, row_mask, cols, start, n_vocab, softcap, HAS_SOFTCAP, MASK_COLS)
         z_sum += tl.sum(tl.where(mask, z, 0.0), axis=1)
         z_target += tl.sum(tl.where(vocab[None, :] == target[:, None], z, 0.0), axis=1)
         z = tl.where(mask, z, float("-inf"))
@@ -74,13 +81,7 @@ def _grad_tiles(logit_rows, grad_rows, row_mask, target, cols, tile_start, tile_
     """Pass 2 over vocab tiles ``[tile_start, tile_end)``: ``dL/dx`` times the row's scale, stored to the
     gradient rows (column mask only on the ragged last tile, as in pass 1)."""
     for start in range(tile_start, tile_end, BLOCK_V):
-        vocab = start + cols
-        if MASK_COLS:
-            mask = row_mask[:, None] & (vocab[None, :] < n_vocab)
-        else:
-            mask = row_mask[:, None] & (vocab[None, :] >= 0)
-        x = tl.load(logit_rows + vocab[None, :], mask=mask, other=0.0).to(tl.float32)
-        z = _capped(x, softcap, HAS_SOFTCAP)
+        vocab, mask, z = _load_tile(logit_rows, row_mask, cols, start, n_vocab, softcap, HAS_SOFTCAP, MASK_COLS)
         p = tl.exp(tl.where(mask, z - m[:, None], float("-inf")) - log_s[:, None])
         dz = p * p_scale[:, None] - smooth
         dz -= tl.where(vocab[None, :] == target[:, None], 1.0 - label_smoothing, 0.0)
