@@ -121,10 +121,11 @@ def _fwd_kernel(
     Q, K, V, O, LSE,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
-    n_heads, bh_start, n_q, n_k, d_head, qk_scale,
+    n_heads, group, bh_start, n_q, n_k, d_head, qk_scale,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_m, b, h, pid_bh = _query_tile(n_q, n_heads, bh_start, CAUSAL, BLOCK_M)
+    h_kv = h // group  # GQA: consecutive query heads share one key/value head
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -134,8 +135,8 @@ def _fwd_kernel(
     # ---- load the query tile once
     q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :]
     q = tl.load(q_ptrs, mask=q_mask, other=0.0)
-    k_ptrs = K + b * stride_kb + h * stride_kh + offs_d[None, :]
-    v_ptrs = V + b * stride_vb + h * stride_vh + offs_d[None, :]
+    k_ptrs = K + b * stride_kb + h_kv * stride_kh + offs_d[None, :]
+    v_ptrs = V + b * stride_vb + h_kv * stride_vh + offs_d[None, :]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -222,12 +223,13 @@ def _bwd_dkdv_kernel(
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-    n_heads, bh_start, n_q, n_k, d_head, qk_scale, sm_scale,
+    n_kv_heads, group, bh_start, n_q, n_k, d_head, qk_scale, sm_scale,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid_bh = tl.program_id(1) + bh_start
-    b = (pid_bh // n_heads).to(tl.int64)
-    h = (pid_bh % n_heads).to(tl.int64)
+    # grid axis 1 walks (batch, kv head) pairs; the group's query heads are summed in a fixed order below
+    pid_bkv = tl.program_id(1) + bh_start
+    b = (pid_bkv // n_kv_heads).to(tl.int64)
+    h_kv = (pid_bkv % n_kv_heads).to(tl.int64)
     start_n = tl.program_id(0) * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -236,14 +238,12 @@ def _bwd_dkdv_kernel(
     rows_n = offs_n[:, None].to(tl.int64)
 
     # ---- this program's key/value tile stays in registers
-    k = tl.load(K + b * stride_kb + h * stride_kh + rows_n * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + b * stride_vb + h * stride_vh + rows_n * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+    k = tl.load(K + b * stride_kb + h_kv * stride_kh + rows_n * stride_kn + offs_d[None, :], mask=kv_mask,
+                other=0.0)
+    v = tl.load(V + b * stride_vb + h_kv * stride_vh + rows_n * stride_vn + offs_d[None, :], mask=kv_mask,
+                other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_d[None, :]
-    do_ptrs = DO + b * stride_dob + h * stride_doh + offs_d[None, :]
-    LSE_ROW = LSE + pid_bh.to(tl.int64) * n_q
-    DELTA_ROW = DELTA + pid_bh.to(tl.int64) * n_q
 
     causal_shift = n_k - n_q
     if CAUSAL:
@@ -253,20 +253,28 @@ def _bwd_dkdv_kernel(
         q_full = tl.minimum(tl.maximum(start_n + BLOCK_N - 1 - causal_shift, 0), n_q)
         q_full = tl.minimum(tl.cdiv(q_full, BLOCK_M) * BLOCK_M, tl.cdiv(n_q, BLOCK_M) * BLOCK_M)
         q_lo = tl.minimum(q_lo, q_full)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW,
-                                 offs_n, offs_d, d_mask, q_lo, q_full, n_q, causal_shift, qk_scale,
-                                 MASKED=True, BLOCK_M=BLOCK_M)
     else:
+        q_lo = 0
         q_full = 0
-    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW,
-                             offs_n, offs_d, d_mask, q_full, n_q, n_q, causal_shift, qk_scale,
-                             MASKED=False, BLOCK_M=BLOCK_M)
+    # ---- every query head of this kv head's group adds into the same dK, dV (sequential: deterministic)
+    for g in range(0, group):
+        h = h_kv * group + g
+        q_ptrs = Q + b * stride_qb + h * stride_qh + offs_d[None, :]
+        do_ptrs = DO + b * stride_dob + h * stride_doh + offs_d[None, :]
+        row_bh = (b * n_kv_heads * group + h) * n_q  # this query head's row of L and D
+        if CAUSAL:
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE + row_bh,
+                                     DELTA + row_bh, offs_n, offs_d, d_mask, q_lo, q_full, n_q, causal_shift,
+                                     qk_scale, MASKED=True, BLOCK_M=BLOCK_M)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE + row_bh, DELTA + row_bh,
+                                 offs_n, offs_d, d_mask, q_full, n_q, n_q, causal_shift, qk_scale,
+                                 MASKED=False, BLOCK_M=BLOCK_M)
 
     # ---- store; S was scaled by sm_scale, so dK picks it up once here
     dk = dk * sm_scale
-    tl.store(DK + b * stride_dkb + h * stride_dkh + rows_n * stride_dkn + offs_d[None, :],
+    tl.store(DK + b * stride_dkb + h_kv * stride_dkh + rows_n * stride_dkn + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + b * stride_dvb + h * stride_dvh + rows_n * stride_dvn + offs_d[None, :],
+    tl.store(DV + b * stride_dvb + h_kv * stride_dvh + rows_n * stride_dvn + offs_d[None, :],
              dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
@@ -298,10 +306,11 @@ def _bwd_dq_kernel(
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
     stride_dqb, stride_dqh, stride_dqm,
-    n_heads, bh_start, n_q, n_k, d_head, qk_scale, sm_scale,
+    n_heads, group, bh_start, n_q, n_k, d_head, qk_scale, sm_scale,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     start_m, b, h, pid_bh = _query_tile(n_q, n_heads, bh_start, CAUSAL, BLOCK_M)
+    h_kv = h // group
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < d_head
@@ -315,8 +324,8 @@ def _bwd_dq_kernel(
     lse = _load_lse_log2(LSE + pid_bh.to(tl.int64) * n_q, offs_m, n_q)
     delta = tl.load(DELTA + pid_bh.to(tl.int64) * n_q + offs_m, mask=offs_m < n_q, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    k_ptrs = K + b * stride_kb + h * stride_kh + offs_d[None, :]
-    v_ptrs = V + b * stride_vb + h * stride_vh + offs_d[None, :]
+    k_ptrs = K + b * stride_kb + h_kv * stride_kh + offs_d[None, :]
+    v_ptrs = V + b * stride_vb + h_kv * stride_vh + offs_d[None, :]
 
     causal_shift = n_k - n_q
     full_end, key_end = _key_ranges(start_m, n_q, n_k, CAUSAL, BLOCK_M, BLOCK_N)
@@ -394,7 +403,7 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float):
     """Returns ``(o, lse)`` with ``o`` like ``q`` and ``lse`` fp32 ``q.shape[:-1]``."""
     q4, k4, v4 = as_4d(q), as_4d(k), as_4d(v)
     b, h, n_q, d = q4.shape
-    n_k = k4.shape[2]
+    n_k, group = k4.shape[2], h // k4.shape[1]
     o, o4 = _empty_4d_like(q)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     if q.numel() == 0:
@@ -407,7 +416,7 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float):
     for bh_start, n_bh in grid_axis1_launches(b * h):
         _fwd_kernel[(triton.cdiv(n_q, block_m), n_bh)](
             q4, k4, v4, o4, lse, *_strides3(q4), *_strides3(k4), *_strides3(v4), *_strides3(o4),
-            h, bh_start, n_q, n_k, d, softmax_scale * LOG2E,
+            h, group, bh_start, n_q, n_k, d, softmax_scale * LOG2E,
             CAUSAL=is_causal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(d),
             num_warps=warps, num_stages=stages)
     return o, lse
@@ -417,7 +426,8 @@ def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale
     """Returns ``(dq, dk, dv)`` laid out like q, k, v."""
     q4, k4, v4, o4, do4 = as_4d(q), as_4d(k), as_4d(v), as_4d(o), as_4d(do)
     b, h, n_q, d = q4.shape
-    n_k = k4.shape[2]
+    n_k, h_kv = k4.shape[2], k4.shape[1]
+    group = h // h_kv
     dq, dq4 = _empty_4d_like(q)
     dk, dk4 = _empty_4d_like(k)
     dv, dv4 = _empty_4d_like(v)
@@ -433,14 +443,17 @@ def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale
     for bh_start, n_bh in grid_axis1_launches(b * h):
         _bwd_preprocess[(triton.cdiv(n_q, pre_m), n_bh)](
             o4, do4, delta, *_strides3(o4), *_strides3(do4), h, bh_start, n_q, d, BLOCK_M=pre_m, BLOCK_D=block_d)
+    # dK/dV: one program per (key tile, batch, kv head), summing its group of query heads (needs every D above)
+    for bh_start, n_bh in grid_axis1_launches(b * h_kv):
         _bwd_dkdv_kernel[(triton.cdiv(n_k, block_n), n_bh)](
             q4, k4, v4, do4, lse, delta, dk4, dv4,
             *_strides3(q4), *_strides3(k4), *_strides3(v4), *_strides3(do4), *_strides3(dk4), *_strides3(dv4),
-            h, bh_start, n_q, n_k, d, qk_scale, softmax_scale, **common)
+            h_kv, group, bh_start, n_q, n_k, d, qk_scale, softmax_scale, **common)
+    for bh_start, n_bh in grid_axis1_launches(b * h):
         _bwd_dq_kernel[(triton.cdiv(n_q, block_m), n_bh)](
             q4, k4, v4, do4, lse, delta, dq4,
             *_strides3(q4), *_strides3(k4), *_strides3(v4), *_strides3(do4), *_strides3(dq4),
-            h, bh_start, n_q, n_k, d, qk_scale, softmax_scale, **common)
+            h, group, bh_start, n_q, n_k, d, qk_scale, softmax_scale, **common)
     return dq, dk, dv
 
 
@@ -485,9 +498,16 @@ def check_attention_inputs(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.T
         raise ValueError(f"{op}: head dims differ: q {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]}")
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"{op}: k has {k.shape[-2]} keys but v has {v.shape[-2]}")
-    if not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
-        raise ValueError(f"{op}: leading dims differ: q {tuple(q.shape[:-2])}, k {tuple(k.shape[:-2])}, "
-                         f"v {tuple(v.shape[:-2])}")
+    if k.shape[:-2] != v.shape[:-2]:
+        raise ValueError(f"{op}: k and v leading dims differ: {tuple(k.shape[:-2])} vs {tuple(v.shape[:-2])}")
+    if q.shape[:-2] != k.shape[:-2]:
+        # GQA / MQA: only the head dim (-3) may differ, and q's heads must be a multiple of k's
+        gqa = (q.dim() >= 3 and q.dim() == k.dim() and q.shape[:-3] == k.shape[:-3] and k.shape[-3] > 0
+               and q.shape[-3] % k.shape[-3] == 0)
+        if not gqa:
+            raise ValueError(f"{op}: leading dims differ: q {tuple(q.shape[:-2])}, k {tuple(k.shape[:-2])}, "
+                             f"v {tuple(v.shape[:-2])} (only the heads dim -3 may differ, q heads a multiple of "
+                             "k/v heads)")
 
 
 class FlashAttention(torch.autograd.Function):

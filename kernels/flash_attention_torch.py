@@ -21,13 +21,25 @@ def _visible(q_start: int, n_rows: int, k_start: int, n_cols: int, shift: int, d
     return cols <= rows + shift
 
 
+def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """GQA without copies: ``q[..., h_q, n, d]`` as ``[..., h_kv, group, n, d]`` and k, v as
+    ``[..., h_kv, 1, n, d]``, so every tile product broadcasts one kv head over its group of query heads."""
+    if q.dim() < 3 or q.shape[-3] == k.shape[-3]:
+        return q, k, v
+    h_kv = k.shape[-3]
+    return q.unflatten(-3, (h_kv, q.shape[-3] // h_kv)), k.unsqueeze(-3), v.unsqueeze(-3)
+
+
 class FlashAttentionTorch(torch.autograd.Function):
     """``FlashAttentionTorch.apply(q, k, v, is_causal=False, softmax_scale=None)``; ``q[..., n_q, d]``,
-    ``k, v[..., n_k, d]``, any leading dims; fp32 accumulation for every dtype."""
+    ``k, v[..., n_k, d]``, any leading dims; k and v may have fewer heads (dim -3) than q (GQA/MQA: each kv
+    head serves ``h_q / h_kv`` consecutive query heads, broadcast, never repeated); fp32 accumulation."""
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal=False, softmax_scale=None):
         check_attention_inputs("FlashAttentionTorch", q, k, v)
+        q_shape, ctx.k_shape = q.shape, k.shape
+        q, k, v = _grouped(q, k, v)
         n_q, d = q.shape[-2], q.shape[-1]
         n_k = k.shape[-2]
         scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
@@ -60,13 +72,15 @@ class FlashAttentionTorch(torch.autograd.Function):
             o[..., qs:qs + TILE_Q, :] = (acc / l_safe[..., None]).to(q.dtype)
             lse[..., qs:qs + TILE_Q] = torch.where(empty, torch.full_like(l, float("-inf")), m + torch.log(l_safe))
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.is_causal, ctx.scale = bool(is_causal), scale
-        return o
+        ctx.is_causal, ctx.scale, ctx.q_shape = bool(is_causal), scale, q_shape
+        return o.reshape(q_shape)
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         scale, is_causal = ctx.scale, ctx.is_causal
+        k_shape = ctx.k_shape
+        do = do.reshape(q.shape)
         n_q, n_k = q.shape[-2], k.shape[-2]
         shift = n_k - n_q
         delta = (do.float() * o.float()).sum(dim=-1)  # D = rowsum(dO ∘ O)
@@ -88,9 +102,18 @@ class FlashAttentionTorch(torch.autograd.Function):
                 p = torch.exp(s - lse[..., qs:qs + rows, None])                      # P = exp(S - L)
                 if is_causal:
                     p = p.masked_fill(~_visible(qs, rows, ks, cols, shift, q.device), 0.0)
-                dv[..., ks:ks + cols, :] += p.transpose(-1, -2) @ do_tile            # dV += Pᵀ dO
+                dv[..., ks:ks + cols, :] += _group_sum(p.transpose(-1, -2) @ do_tile, dv)  # dV += Pᵀ dO
                 dp = do_tile @ v_tile.transpose(-1, -2)                              # dP = dO Vᵀ
                 ds = p * (dp - delta[..., qs:qs + rows, None])                       # dS = P (dP - D)
                 dq[..., qs:qs + rows, :] += ds @ k_tile * scale                      # dQ += dS K
-                dk[..., ks:ks + cols, :] += ds.transpose(-1, -2) @ q_tile * scale    # dK += dSᵀ Q
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+                dk[..., ks:ks + cols, :] += _group_sum(ds.transpose(-1, -2) @ q_tile * scale, dk)  # dK += dSᵀ Q
+        # (grouped views: dK, dV come back with k's and v's own shapes, dQ with q's)
+        return (dq.to(q.dtype).reshape(ctx.q_shape), dk.to(k.dtype).reshape(k_shape), dv.to(v.dtype).reshape(k_shape),
+                None, None)
+
+
+def _group_sum(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Sum a per-query-head contribution over the group dim when ``like`` (a grouped dK/dV) broadcasts there."""
+    if like.dim() >= 3 and like.shape[-3] == 1 and x.shape[-3] != 1:
+        return x.sum(dim=-3, keepdim=True)
+    return x

@@ -64,9 +64,12 @@ class RotaryPositionalEmbedding(_ref.RotaryPositionalEmbedding):
 
     def rotate_pair(self, q: torch.Tensor, k: torch.Tensor, token_positions: torch.Tensor,
                     check_positions: bool = True):
-        """Rotate q and k (one shape) in a single launch."""
-        return _kernels().apply_rope(q, k, token_positions, cos=self.cos_cached, sin=self.sin_cached,
-                                     check_positions=check_positions)
+        """Rotate q and k in a single launch (one launch each when GQA gives k fewer heads)."""
+        rope = _kernels().apply_rope
+        kw = dict(cos=self.cos_cached, sin=self.sin_cached, check_positions=check_positions)
+        if q.shape != k.shape:
+            return rope(q, None, token_positions, **kw), rope(k, None, token_positions, **kw)
+        return rope(q, k, token_positions, **kw)
 
 
 class SwiGLU(_ref.SwiGLU):
@@ -89,6 +92,7 @@ class MultiHeadSelfAttention(_ref.MultiHeadSelfAttention):
         return self.rope.rotate_pair(q, k, positions, check_positions=not trusted)
 
     def attend(self, q, k, v):
+        # GQA: k, v keep their num_kv_heads heads; the kernel maps each query head to its kv head
         return _kernels().FlashAttention.apply(q, k, v, True)
 
 

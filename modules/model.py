@@ -86,7 +86,7 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, d_model: int, num_heads: int, d_ff: int, max_seq_len: int, theta: float | None,
                  device=None, dtype=None, *, norm: str = "rmsnorm", ffn: str = "swiglu",
-                 norm_position: str = "pre", backend: str = "reference"):
+                 norm_position: str = "pre", backend: str = "reference", num_kv_heads: int | None = None):
         super().__init__()
         if norm_position not in ("pre", "post"):
             raise ValueError(f"norm_position must be 'pre' or 'post', got {norm_position!r}")
@@ -95,7 +95,7 @@ class TransformerBlock(nn.Module):
         self.norm_position = norm_position
         self.ln1 = _make_norm(norm, comps, d_model, device, dtype)
         self.attn = comps.MultiHeadSelfAttention(d_model, num_heads, max_seq_len, theta,
-                                                 device=device, dtype=dtype)
+                                                 device=device, dtype=dtype, num_kv_heads=num_kv_heads)
         self.ln2 = _make_norm(norm, comps, d_model, device, dtype)
         self.ffn = _make_ffn(ffn, comps, d_model, d_ff, device, dtype)
 
@@ -139,13 +139,13 @@ class TransformerLM(nn.Module):
     def __init__(self, vocab_size: int, context_length: int, d_model: int, num_layers: int,
                  num_heads: int, d_ff: int, rope_theta: float = 10000.0, device=None, dtype=None, *,
                  norm: str = "rmsnorm", ffn: str = "swiglu", position: str = "rope",
-                 norm_position: str = "pre", backend: str = "reference"):
+                 norm_position: str = "pre", backend: str = "reference", num_kv_heads: int | None = None):
         super().__init__()
         from ..config import ModelConfig
 
         # validates every size and option in one place
         self.config = ModelConfig(vocab_size, context_length, d_model, num_layers, num_heads, d_ff,
-                                  float(rope_theta), norm, ffn, position, norm_position)
+                                  float(rope_theta), norm, ffn, position, norm_position, num_kv_heads)
         self.backend = resolve_backend(backend, device)
         comps = components(self.backend)
         self.vocab_size, self.context_length = vocab_size, context_length
@@ -158,7 +158,8 @@ class TransformerLM(nn.Module):
         theta = rope_theta if position == "rope" else None
         self.layers = nn.ModuleList(
             TransformerBlock(d_model, num_heads, d_ff, context_length, theta, device=device, dtype=dtype,
-                             norm=norm, ffn=ffn, norm_position=norm_position, backend=self.backend)
+                             norm=norm, ffn=ffn, norm_position=norm_position, backend=self.backend,
+                             num_kv_heads=num_kv_heads)
             for _ in range(num_layers))
         self.ln_final = (_make_norm(norm, comps, d_model, device, dtype) if norm_position == "pre"
                          else nn.Identity())

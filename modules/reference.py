@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
-from einops import einsum, rearrange
+from einops import einsum, rearrange, repeat
 from torch import nn
 
 from ..config import default_d_ff
@@ -317,20 +317,26 @@ class KVCache:
 class MultiHeadSelfAttention(nn.Module):
     """Causal multi-head self-attention with optional RoPE on queries and keys.
 
-    ``q_proj``/``k_proj``/``v_proj``/``output_proj`` are ``[d_model, d_model]`` with rows grouped by head
+    ``q_proj``/``output_proj`` are ``[d_model, d_model]``, ``k_proj``/``v_proj`` ``[num_kv_heads·d_k, d_model]``
+    (``num_kv_heads`` defaults to ``num_heads``; fewer is grouped-query attention), rows grouped by head
     (head ``h`` owns rows ``h*d_k:(h+1)*d_k``). RoPE is applied when ``theta`` is given.
     """
 
     def __init__(self, d_model: int, num_heads: int, max_seq_len: int | None = None,
-                 theta: float | None = None, device=None, dtype=None):
+                 theta: float | None = None, device=None, dtype=None, *, num_kv_heads: int | None = None):
         super().__init__()
         if d_model % num_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_kv_heads <= 0 or num_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
         self.d_model, self.num_heads, self.d_k = d_model, num_heads, d_model // num_heads
+        self.num_kv_heads = num_kv_heads
         self.max_seq_len = max_seq_len
         self.q_proj = Linear(d_model, d_model, device=device, dtype=dtype)
-        self.k_proj = Linear(d_model, d_model, device=device, dtype=dtype)
-        self.v_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+        # grouped-query attention: fewer key/value heads, each shared by num_heads / num_kv_heads query heads
+        self.k_proj = Linear(d_model, num_kv_heads * self.d_k, device=device, dtype=dtype)
+        self.v_proj = Linear(d_model, num_kv_heads * self.d_k, device=device, dtype=dtype)
         self.output_proj = Linear(d_model, d_model, device=device, dtype=dtype)
         if theta is not None:
             if max_seq_len is None:
@@ -348,8 +354,9 @@ class MultiHeadSelfAttention(nn.Module):
         past = kv_cache.length if kv_cache is not None else 0
         if self.max_seq_len is not None and past + seq > self.max_seq_len:
             raise ValueError(f"sequence length {past + seq} exceeds max_seq_len {self.max_seq_len}")
-        q, k, v = (rearrange(proj(x), "... seq (heads d_k) -> ... heads seq d_k", heads=self.num_heads)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q = rearrange(self.q_proj(x), "... seq (heads d_k) -> ... heads seq d_k", heads=self.num_heads)
+        k, v = (rearrange(proj(x), "... seq (kv_heads d_k) -> ... kv_heads seq d_k", kv_heads=self.num_kv_heads)
+                for proj in (self.k_proj, self.v_proj))
         if self.rope is not None:
             generated = token_positions is None
             if generated:
@@ -371,6 +378,10 @@ class MultiHeadSelfAttention(nn.Module):
         return self.rope(q, positions), self.rope(k, positions)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention (bottom-right aligned when there are more keys than queries)."""
+        """Causal attention (bottom-right aligned when there are more keys than queries). With GQA each
+        key/value head is repeated for its group of query heads first: the readable spec."""
+        group = self.num_heads // self.num_kv_heads
+        if group > 1:
+            k, v = (repeat(t, "... kv_heads seq d_k -> ... (kv_heads group) seq d_k", group=group) for t in (k, v))
         mask = F.causal_mask(q.shape[-2], k.shape[-2], device=q.device)
         return F.scaled_dot_product_attention(q, k, v, mask)

@@ -1,6 +1,7 @@
 """Accounting against the seeds' worked GPT-2 XL example and against counted parameters."""
 
 import pytest
+import torch
 
 from tritonlm import ModelConfig, TransformerLM, accounting
 
@@ -80,3 +81,24 @@ def test_activation_estimate_scales_quadratically_in_attention():
     a2 = accounting.activation_elements(cfg, 128)["per_layer"]
     assert 2 < a2 / a1 < 4
 
+
+
+def test_gqa_param_count_flops_and_kv_cache_match_the_built_model():
+    from tritonlm import TransformerLM
+
+    cfg = ModelConfig.preset("tiny", num_heads=4, num_kv_heads=1)
+    model = TransformerLM(**cfg.model_kwargs(), device="meta")
+    assert accounting.param_count(cfg) == sum(p.numel() for p in model.parameters())
+    mha = cfg.replace(num_kv_heads=None)
+    d, d_kv, tokens = cfg.d_model, cfg.d_head, 64
+    # K and V projections shrink from d x d to d x d_head each: 2 matrices x 2 FLOPs x tokens x d x (d - d_kv)
+    saved = accounting.forward_flops(mha, tokens)["attention_projections"] - \
+        accounting.forward_flops(cfg, tokens)["attention_projections"]
+    assert saved == cfg.num_layers * 2 * 2 * tokens * d * (d - d_kv)
+    caches = model.new_kv_caches()
+    ids = torch.zeros(3, 10, dtype=torch.long, device="meta")
+    model(ids, kv_caches=caches)
+    cached = sum(c.k.numel() * c.k.element_size() * 2 for c in caches) * cfg.context_length // caches[0].max_len
+    assert accounting.kv_cache_bytes(cfg, cfg.context_length, 3, "fp32") == cached
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        ModelConfig.preset("tiny", num_kv_heads=3)

@@ -160,3 +160,48 @@ def test_batch_times_heads_beyond_one_launch(monkeypatch):
     monkeypatch.setattr(common, "MAX_GRID_AXIS1", 3)
     assert common.grid_axis1_launches(10) == [(0, 3), (3, 3), (6, 3), (9, 1)]
     _check(FlashAttention, (2, 5, 37, 16), 37, True, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------
+# grouped-query attention: k, v with fewer heads than q
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fn", FUNCTIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 2), (6, 1)], ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("n_q, n_k, is_causal", [(37, 37, True), (5, 70, True), (19, 33, False)])
+def test_gqa_vs_sdpa_enable_gqa(fn, dtype, heads, n_q, n_k, is_causal):
+    """Each kv head serves its group of query heads: against PyTorch's SDPA (enable_gqa, explicit boolean mask)
+    in fp64, output and every gradient (dK, dV summed over the group)."""
+    h_q, h_kv = heads
+    q = torch.randn(2, h_q, n_q, 24, dtype=dtype, requires_grad=True)
+    k = torch.randn(2, h_kv, n_k, 24, dtype=dtype, requires_grad=True)
+    v = torch.randn(2, h_kv, n_k, 24, dtype=dtype, requires_grad=True)
+    out = fn.apply(q, k, v, is_causal)
+    do = torch.randn_like(out)
+    out.backward(do)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    mask = torch.ones(n_q, n_k, dtype=torch.bool).tril(n_k - n_q) if is_causal else None
+    ref = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, attn_mask=mask, enable_gqa=True)
+    ref.backward(do.double())
+    tol = TOL[dtype]
+    assert out.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        torch.testing.assert_close(got.double(), want, atol=4 * tol, rtol=4 * tol)
+
+
+def test_gqa_head_split_views_and_bad_head_counts():
+    """k, v as [batch, heads, seq, d] views of [batch, seq, heads*d] projections (no copies), and clear errors
+    when the heads do not divide."""
+    b, n, h_q, h_kv, d = 2, 13, 4, 2, 16
+    q = torch.randn(b, n, h_q * d).unflatten(-1, (h_q, d)).transpose(1, 2)
+    k = torch.randn(b, n, h_kv * d).unflatten(-1, (h_kv, d)).transpose(1, 2)
+    v = torch.randn(b, n, h_kv * d).unflatten(-1, (h_kv, d)).transpose(1, 2)
+    out = FlashAttention.apply(q, k, v, True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out, ref, atol=FP32_ATTENTION_TOL, rtol=FP32_ATTENTION_TOL)
+    for fn in FUNCTIONS:
+        with pytest.raises(ValueError, match="heads dim -3"):
+            fn.apply(torch.randn(1, 3, 5, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16), True)
+        with pytest.raises(ValueError, match="heads dim -3"):
+            fn.apply(torch.randn(2, 4, 5, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16), True)

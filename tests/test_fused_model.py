@@ -213,3 +213,44 @@ def test_saved_bytes_counting_matches_hand_count_for_meta_fused_attention():
 
     q, k, v = (torch.empty(1, 2, 64, 16, device="meta", requires_grad=True) for _ in range(3))
     assert saved_activation_bytes(Attn(), q, k, v) == 4 * (4 * 2 * 64 * 16 + 2 * 64)
+
+
+def test_gqa_model_fused_matches_reference_and_decodes_alike():
+    """num_kv_heads < num_heads: the reference repeats K/V explicitly, the fused model never does; loss,
+    every gradient and greedy generation (KV cache of kv heads only) agree."""
+    cfg = CFG.replace(num_heads=4, num_kv_heads=2)
+    ref = TransformerLM(**cfg.model_kwargs())
+    fz = TransformerLM(**cfg.model_kwargs(), backend="triton")
+    fz.load_state_dict(ref.state_dict())
+    assert ref.layers[0].attn.k_proj.weight.shape == (2 * cfg.d_head, cfg.d_model)
+    ids, targets = torch.randint(0, 97, (2, 23)), torch.randint(0, 97, (2, 23))
+    losses = []
+    for model in (ref, fz):
+        loss = model.loss(ids, targets)
+        loss.backward()
+        losses.append(loss)
+    tol = FP32_ATTENTION_TOL
+    torch.testing.assert_close(losses[1], losses[0], atol=tol / 10, rtol=tol / 10)
+    for (name, p1), p2 in zip(ref.named_parameters(), fz.parameters()):
+        torch.testing.assert_close(p2.grad, p1.grad, atol=tol / 10, rtol=tol, msg=name)
+    caches = fz.new_kv_caches()
+    fz(ids[:, :7], kv_caches=caches)
+    assert caches[0].k.shape[-3] == 2  # kv heads, not query heads
+    assert torch.equal(fz.generate(ids[:, :5], 12, temperature=0), ref.generate(ids[:, :5], 12, temperature=0))
+
+
+def test_gqa_reference_equals_mha_with_repeated_kv_heads():
+    """The readable GQA spec: an MHA model whose K/V projections repeat each kv head's rows for its group
+    computes the same logits."""
+    gqa_cfg = CFG.replace(num_heads=4, num_kv_heads=2)
+    gqa = TransformerLM(**gqa_cfg.model_kwargs())
+    mha = TransformerLM(**CFG.replace(num_heads=4).model_kwargs())
+    state = dict(gqa.state_dict())
+    d_head = gqa_cfg.d_head
+    for key in list(state):
+        if key.endswith(("k_proj.weight", "v_proj.weight")):
+            heads = state[key].unflatten(0, (2, d_head))               # [kv_heads, d_head, d_model]
+            state[key] = heads.repeat_interleave(2, dim=0).flatten(0, 1)  # each kv head for its 2 query heads
+    mha.load_state_dict(state)
+    ids = torch.randint(0, 97, (2, 17))
+    torch.testing.assert_close(gqa(ids), mha(ids), atol=1e-5, rtol=1e-5)

@@ -35,8 +35,9 @@ def _ffn_matrices(cfg: ModelConfig) -> int:
 
 def param_count(cfg: ModelConfig) -> int:
     """Trainable parameters: embeddings + layers (attention, FFN, two norms) + final norm + LM head."""
-    d = cfg.d_model
-    per_layer = 4 * d * d + _ffn_matrices(cfg) * d * cfg.d_ff + 2 * _norm_params(cfg)
+    d, d_kv = cfg.d_model, cfg.kv_heads * cfg.d_head
+    # q and output projections d x d; k and v d x (kv heads x d_head) (smaller under GQA)
+    per_layer = 2 * d * d + 2 * d * d_kv + _ffn_matrices(cfg) * d * cfg.d_ff + 2 * _norm_params(cfg)
     final_norm = _norm_params(cfg) if cfg.norm_position == "pre" else 0
     return cfg.vocab_size * d + cfg.num_layers * per_layer + final_norm + d * cfg.vocab_size
 
@@ -51,8 +52,9 @@ def forward_flops(cfg: ModelConfig, seq_len: int, batch_size: int = 1) -> dict:
         raise ValueError("seq_len and batch_size must be positive")
     tokens = batch_size * seq_len
     d, layers = cfg.d_model, cfg.num_layers
+    d_kv = cfg.kv_heads * cfg.d_head
     out = {
-        "attention_projections": layers * 4 * 2 * tokens * d * d,
+        "attention_projections": layers * 2 * tokens * d * (2 * d + 2 * d_kv),
         # QKᵀ: [seq, d_head] x [d_head, seq] per head, then P·V: [seq, seq] x [seq, d_head] per head
         "attention_matmuls": layers * 2 * 2 * batch_size * seq_len * seq_len * d,
         "ffn": layers * _ffn_matrices(cfg) * 2 * tokens * d * cfg.d_ff,
@@ -67,6 +69,13 @@ def training_flops(cfg: ModelConfig, seq_len: int, batch_size: int = 1, steps: i
     return 3 * forward_flops(cfg, seq_len, batch_size)["total"] * steps
 
 
+def kv_cache_bytes(cfg: ModelConfig, seq_len: int, batch_size: int = 1, dtype: str = "bf16") -> int:
+    """Bytes of a full KV cache: keys and values of every layer, ``kv_heads × d_head`` per token each."""
+    if dtype not in _BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; one of {sorted(_BYTES)}")
+    return 2 * cfg.num_layers * batch_size * seq_len * cfg.kv_heads * cfg.d_head * _BYTES[dtype]
+
+
 def activation_elements(cfg: ModelConfig, seq_len: int, batch_size: int = 1) -> dict:
     """Elements saved for backward by the *reference* model, by the CS336 counting convention.
 
@@ -76,8 +85,9 @@ def activation_elements(cfg: ModelConfig, seq_len: int, batch_size: int = 1) -> 
     This is an estimate; ``tritonlm accounting --activations`` also *measures* saved tensors.
     """
     b, s, d, h = batch_size, seq_len, cfg.d_model, cfg.num_heads
+    d_kv = cfg.kv_heads * cfg.d_head  # K and V are this wide (d_model unless GQA)
     ffn_hidden = (4 if cfg.ffn == "swiglu" else 2) * b * s * cfg.d_ff
-    per_layer = b * s * d * (2 + 3 + 1 + 1 + 1) + 2 * b * h * s * s + ffn_hidden
+    per_layer = b * s * d * (2 + 1 + 1 + 1 + 1) + 2 * b * s * d_kv + 2 * b * h * s * s + ffn_hidden
     return {
         "per_layer": per_layer,
         "layers": cfg.num_layers * per_layer,

@@ -41,14 +41,14 @@ def cmd_accounting(args) -> int:
     from .config import PRESETS, ModelConfig
 
     try:
-        cfg = ModelConfig.preset(args.preset)
+        cfg = ModelConfig.preset(args.preset, **({"num_kv_heads": args.num_kv_heads} if args.num_kv_heads else {}))
     except ValueError as e:
         raise CLIError(str(e)) from None
     if args.seq_len <= 0 or args.batch <= 0:
         raise CLIError("--seq-len and --batch must be positive")
     n = accounting.param_count(cfg)
     print(f"preset {args.preset}: vocab {cfg.vocab_size}, context {cfg.context_length}, d_model {cfg.d_model}, "
-          f"layers {cfg.num_layers}, heads {cfg.num_heads}, d_ff {cfg.d_ff}")
+          f"layers {cfg.num_layers}, heads {cfg.num_heads} (kv heads {cfg.kv_heads}), d_ff {cfg.d_ff}")
     print(f"parameters: {n:,} ({_fmt_bytes(4 * n)} in fp32, {_fmt_bytes(2 * n)} in bf16)\n")
     f = accounting.forward_flops(cfg, args.seq_len, args.batch)
     rows = [[k, _fmt_count(v), f"{100 * v / f['total']:.1f}%"] for k, v in f.items()]
@@ -56,6 +56,8 @@ def cmd_accounting(args) -> int:
           f"(training step = 3x: {_fmt_count(accounting.training_flops(cfg, args.seq_len, args.batch))}FLOPs)")
     print(_table(rows, ["component", "FLOPs", "share"]))
     mem = accounting.memory_bytes(cfg, args.seq_len, args.batch, param_dtype="fp32")
+    print(f"KV cache for generation, batch {args.batch} x seq {args.seq_len}: "
+          f"{_fmt_bytes(accounting.kv_cache_bytes(cfg, args.seq_len, args.batch, 'bf16'))} in bf16")
     print("\ntraining memory estimate (fp32 params, AdamW):")
     print(_table([[k, _fmt_bytes(v)] for k, v in mem.items()], ["item", "bytes"]))
 
@@ -89,8 +91,8 @@ def cmd_accounting(args) -> int:
 # ----------------------------------------------------------------------------------------------------
 # train / generate
 # ----------------------------------------------------------------------------------------------------
-_MODEL_SIZE_FLAGS = ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff", "rope_theta",
-                     "norm", "ffn", "position", "norm_position")
+_MODEL_SIZE_FLAGS = ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "num_kv_heads", "d_ff",
+                     "rope_theta", "norm", "ffn", "position", "norm_position")
 
 
 def cmd_train(args) -> int:
@@ -101,7 +103,8 @@ def cmd_train(args) -> int:
         data=args.data, tokenizer=args.tokenizer, preset=args.preset, model_overrides=overrides,
         max_steps=args.max_steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
         min_lr=args.min_lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
-        grad_clip=args.grad_clip, z_loss=args.z_loss, label_smoothing=args.label_smoothing, eval_every=args.eval_every, eval_batches=args.eval_batches,
+        grad_clip=args.grad_clip, z_loss=args.z_loss, label_smoothing=args.label_smoothing,
+        eval_every=args.eval_every, eval_batches=args.eval_batches,
         log_every=args.log_every, checkpoint_every=args.checkpoint_every, out=args.out, backend=args.backend,
         device=args.device, dtype=args.dtype, compile=args.compile, fsdp=args.fsdp, seed=args.seed,
         resume=args.resume, sample_prompt=args.prompt, sample_tokens=args.sample_tokens,
@@ -341,6 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="gpt2-xl", help="model preset (default gpt2-xl)")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
     p.add_argument("--batch", type=int, default=1, help="sequences per batch (default 1)")
+    p.add_argument("--num-kv-heads", type=int, default=None,
+                   help="grouped-query attention: key/value heads (default: the preset's, = num_heads)")
     p.add_argument("--activations", action="store_true",
                    help="also measure saved-for-backward bytes per layer, reference vs fused (runs a "
                         "block of the preset's width on CPU/GPU)")
@@ -360,7 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name in _MODEL_SIZE_FLAGS:
         kind = str if name in ("norm", "ffn", "position", "norm_position") else (float if name == "rope_theta" else int)
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
-                       help=f"override the preset's {name}")
+                       help=("key/value heads for grouped-query attention (a divisor of --num-heads; default "
+                             "= num_heads)") if name == "num_kv_heads" else f"override the preset's {name}")
     p.add_argument("--max-steps", type=int, default=300, help="optimizer steps (default 300)")
     p.add_argument("--batch-size", type=int, default=32, help="sequences per step per process (default 32)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")

@@ -35,6 +35,7 @@ class ModelConfig:
     ffn: str = "swiglu"
     position: str = "rope"
     norm_position: str = "pre"
+    num_kv_heads: int | None = None  # grouped-query attention: key/value heads (None: = num_heads)
 
     def __post_init__(self):
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
@@ -43,6 +44,10 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
+        if self.num_kv_heads is not None and (not isinstance(self.num_kv_heads, int) or self.num_kv_heads <= 0
+                                              or self.num_heads % self.num_kv_heads):
+            raise ValueError(f"ModelConfig.num_kv_heads must be a positive divisor of num_heads ({self.num_heads}), "
+                             f"got {self.num_kv_heads!r}")
         if self.position == "rope" and self.d_head % 2:
             raise ValueError(f"RoPE needs an even head dim, got d_model/num_heads = {self.d_head}")
         for name, allowed in (("norm", NORMS), ("ffn", FFNS), ("position", POSITIONS),
@@ -53,6 +58,11 @@ class ModelConfig:
     @property
     def d_head(self) -> int:
         return self.d_model // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: ``num_kv_heads``, or ``num_heads`` (multi-head attention) when unset."""
+        return self.num_kv_heads or self.num_heads
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)

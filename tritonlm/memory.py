@@ -45,7 +45,7 @@ def block_activation_bytes(cfg: ModelConfig, seq_len: int, batch_size: int = 1,
     for name, cls in (("reference", reference.TransformerBlock), ("fused", FusedBlock)):
         block = cls(cfg.d_model, cfg.num_heads, cfg.d_ff, max(seq_len, cfg.context_length),
                     cfg.rope_theta if cfg.position == "rope" else None, device="meta", dtype=dtype,
-                    norm=cfg.norm, ffn=cfg.ffn, norm_position=cfg.norm_position)
+                    norm=cfg.norm, ffn=cfg.ffn, norm_position=cfg.norm_position, num_kv_heads=cfg.num_kv_heads)
         x = torch.empty(batch_size, seq_len, cfg.d_model, device="meta", dtype=dtype, requires_grad=True)
         out[name] = saved_activation_bytes(block, x)
     out["ratio"] = out["fused"] / out["reference"]
