@@ -3,7 +3,9 @@
 Functional entry points: :func:`rms_norm`, :func:`add_rms_norm`, :func:`apply_rope`, :func:`swiglu_gate`,
 :func:`flash_attention`; losses :func:`cross_entropy` (on logits) and :func:`linear_cross_entropy` (LM head +
 loss without materialising the logits).
-Attention Functions: :class:`FlashAttention` (Triton) and :class:`FlashAttentionTorch` (tiled PyTorch).
+Attention Functions: :class:`FlashAttention` (Triton) and :class:`FlashAttentionTorch` (tiled PyTorch), both with
+grouped-query attention; flash-attn 2's entry points :func:`flash_attn_func` and :func:`flash_attn_varlen_func`
+(windows, packed sequences); few queries against a long cache take the split-KV (flash-decoding) path.
 
 Kernels run on CUDA tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` was set before Triton was
 imported (the test suite does this). Under the interpreter a shim makes ``tl.dot`` correct on bfloat16.
@@ -17,13 +19,14 @@ if INTERPRETING:
 from .cross_entropy import CrossEntropyFunction, cross_entropy  # noqa: E402
 from .flash_attention import FlashAttention, flash_attention  # noqa: E402
 from .flash_attention_torch import FlashAttentionTorch  # noqa: E402
+from .flash_attn_interface import flash_attn_func, flash_attn_varlen_func  # noqa: E402
 from .linear_cross_entropy import LinearCrossEntropyFunction, linear_cross_entropy  # noqa: E402
 from .rmsnorm import AddRMSNormFunction, RMSNormFunction, add_rms_norm, rms_norm  # noqa: E402
 from .rope import RoPEFunction, apply_rope, rope_tables  # noqa: E402
 from .swiglu import SwiGLUGateFunction, swiglu_gate  # noqa: E402
 
 __all__ = [
-    "FlashAttention", "FlashAttentionTorch", "flash_attention", "rms_norm", "apply_rope", "rope_tables",
+    "FlashAttention", "FlashAttentionTorch", "flash_attention", "flash_attn_func", "flash_attn_varlen_func", "rms_norm", "apply_rope", "rope_tables",
     "swiglu_gate", "add_rms_norm", "AddRMSNormFunction", "cross_entropy", "linear_cross_entropy", "RMSNormFunction", "RoPEFunction",
     "SwiGLUGateFunction", "CrossEntropyFunction", "LinearCrossEntropyFunction", "INTERPRETING",
 ]

@@ -36,6 +36,8 @@ import triton.language as tl
 
 from ..profiling import kernel_range
 from ._common import (
+    ASSUMED_SM_COUNT,
+    MAX_GRID_AXIS1,
     as_4d,
     check_device,
     check_float,
@@ -43,6 +45,7 @@ from ._common import (
     grid_axis1_launches,
     next_pow2,
     on_gpu,
+    sm_count,
     use_custom_op,
 )
 
@@ -54,31 +57,71 @@ LN2 = 0.6931471805599453
 # tile bookkeeping shared by the forward and the dQ kernel (both walk key tiles for one query tile)
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
-def _query_tile(n_q, n_heads, bh_start, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
-    """``(start_m, b, h, pid_bh)`` of this program. Causal grids take the last query tiles first: they see
-    the most keys, so the short tiles fill the tail of the schedule. Grid axis 1 walks (batch, head) pairs
-    from ``bh_start`` (CUDA caps that axis at 65535 programs: more pairs take several launches)."""
-    if CAUSAL:
-        tile_m = tl.cdiv(n_q, BLOCK_M) - 1 - tl.program_id(0)
+def _sequence(pid_bh, n_heads, CU_Q, CU_K, n_q, n_k, VARLEN: tl.constexpr):
+    """``(b, h, q_start, n_q, k_start, n_k)`` of a (batch, head) pair. Packed sequences (``VARLEN``) read their
+    token ranges from the cumulative lengths; dense batches start at row 0 with the given lengths."""
+    b = (pid_bh // n_heads).to(tl.int64)
+    h = (pid_bh % n_heads).to(tl.int64)
+    if VARLEN:
+        q_start = tl.load(CU_Q + b).to(tl.int64)
+        k_start = tl.load(CU_K + b).to(tl.int64)
+        n_q = (tl.load(CU_Q + b + 1) - q_start).to(tl.int32)
+        n_k = (tl.load(CU_K + b + 1) - k_start).to(tl.int32)
     else:
-        tile_m = tl.program_id(0)
-    pid_bh = tl.program_id(1) + bh_start
-    return tile_m * BLOCK_M, (pid_bh // n_heads).to(tl.int64), (pid_bh % n_heads).to(tl.int64), pid_bh
+        q_start = b * 0
+        k_start = b * 0
+    return b, h, q_start, n_q, k_start, n_k
 
 
 @triton.jit
-def _key_ranges(start_m, n_q, n_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``(full_end, key_end)``: key tiles in ``[0, full_end)`` are whole and visible to every query of the
-    tile (no mask); ``[full_end, key_end)`` are the diagonal / ragged tiles that need one."""
+def _query_tile_start(pid_m, n_q, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """First query of this program's tile. Causal grids take the last query tiles first: they see the most keys,
+    so short tiles fill the tail of the schedule. Past a (packed) sequence's end the tile is empty."""
     if CAUSAL:
-        shift = n_k - n_q
-        # every query of the tile sees keys j <= start_m + shift; some query sees j <= start_m + BLOCK_M - 1 + shift
-        full_end = tl.minimum(tl.maximum(start_m + shift + 1, 0), n_k) // BLOCK_N * BLOCK_N
-        key_end = tl.minimum(tl.maximum(start_m + BLOCK_M + shift, 0), n_k)
-    else:
-        full_end = n_k // BLOCK_N * BLOCK_N
-        key_end = n_k
-    return full_end, key_end
+        return (tl.cdiv(n_q, BLOCK_M) - 1 - pid_m) * BLOCK_M
+    return pid_m * BLOCK_M
+
+
+@triton.jit
+def _key_ranges(start_m, n_q, n_k, win_left, win_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(key_lo, full_lo, full_hi, key_hi)`` for the query tile at ``start_m``. Query ``i`` sees key ``j`` when
+    ``i + shift - win_left <= j <= i + shift + win_right`` (``shift = n_k - n_q``: bottom-right alignment;
+    causal is ``win_right = 0``). Tiles in ``[full_lo, full_hi)`` are whole and seen by every query of the tile
+    (no mask); ``[key_lo, full_lo)`` and ``[full_hi, key_hi)`` need one; nothing outside is visited."""
+    shift = n_k - n_q
+    key_lo = tl.maximum(start_m + shift - win_left, 0) // BLOCK_N * BLOCK_N
+    key_hi = tl.minimum(start_m + BLOCK_M + shift + win_right, n_k)
+    full_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + shift - win_left, 0), BLOCK_N) * BLOCK_N
+    full_hi = tl.minimum(start_m + shift + win_right + 1, n_k) // BLOCK_N * BLOCK_N
+    # an empty tile (before / past the sequence) or a window that misses every key: no key tile at all
+    empty = (start_m < 0) | (start_m >= n_q) | (key_hi <= key_lo)
+    key_hi = tl.where(empty, key_lo, key_hi)
+    full_lo = tl.minimum(tl.maximum(full_lo, key_lo), key_hi)
+    full_hi = tl.maximum(tl.minimum(full_hi, key_hi), full_lo)
+    return key_lo, full_lo, full_hi, key_hi
+
+
+@triton.jit
+def _query_ranges(start_n, n_q, n_k, win_left, win_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(q_lo, full_lo, full_hi, q_hi)``: the query tiles that see the key tile at ``start_n`` (the transpose
+    of :func:`_key_ranges`; rows in ``[full_lo, full_hi)`` see the whole key tile)."""
+    shift = n_k - n_q
+    q_lo = tl.maximum(start_n - shift - win_right, 0) // BLOCK_M * BLOCK_M
+    q_hi = tl.minimum(start_n + BLOCK_N - shift + win_left, n_q)
+    full_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - shift - win_right, 0), BLOCK_M) * BLOCK_M
+    full_hi = tl.minimum(start_n - shift + win_left + 1, n_q) // BLOCK_M * BLOCK_M
+    empty = (start_n >= n_k) | (q_hi <= q_lo)
+    q_hi = tl.where(empty, q_lo, q_hi)
+    full_lo = tl.minimum(tl.maximum(full_lo, q_lo), q_hi)
+    full_hi = tl.maximum(tl.minimum(full_hi, q_hi), full_lo)
+    return q_lo, full_lo, full_hi, q_hi
+
+
+@triton.jit
+def _visible(queries, keys, n_k, shift, win_left, win_right):
+    """``[queries, keys]`` mask of the window (keys past ``n_k`` are never visible)."""
+    rel = keys[None, :] - queries[:, None] - shift
+    return (keys[None, :] < n_k) & (rel <= win_right) & (rel >= -win_left)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -86,8 +129,8 @@ def _key_ranges(start_m, n_q, n_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, 
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
 def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
-               key_start, key_end, n_k, causal_shift, qk_scale,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+               key_start, key_end, n_k, shift, win_left, win_right, qk_scale,
+               MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
     """Fold key tiles ``[key_start, key_end)`` into the running (acc, m_i, l_i)."""
     for start_n in range(key_start, key_end, BLOCK_N):
         keys = start_n + offs_n
@@ -101,10 +144,7 @@ def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, o
         # ---- scores in log2 units
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if MASKED:
-            visible = keys[None, :] < n_k
-            if CAUSAL:
-                visible = visible & (keys[None, :] <= offs_m[:, None] + causal_shift)
-            s = tl.where(visible, s, float("-inf"))
+            s = tl.where(_visible(offs_m, keys, n_k, shift, win_left, win_right), s, float("-inf"))
         # ---- online softmax update; a row that has seen no key keeps m = -inf, so subtract 0 instead
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -118,83 +158,143 @@ def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, o
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE,
+    Q, K, V, O, LSE, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
-    n_heads, group, bh_start, n_q, n_k, d_head, qk_scale,
-    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+    n_heads, group, bh_start, n_q, n_k, d_head, qk_scale, win_left, win_right, split_size,
+    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, SPLIT_KV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    start_m, b, h, pid_bh = _query_tile(n_q, n_heads, bh_start, CAUSAL, BLOCK_M)
+    # SPLIT_KV (decoding): grid axis 0 is the key split, not the query tile; the one query tile holds every query
+    # and the program writes an unnormalised partial result (acc / l, and its lse) for the combine kernel
+    pid_bh = tl.program_id(1) + bh_start
+    b, h, q_start, n_q, k_start, n_k = _sequence(pid_bh, n_heads, CU_Q, CU_K, n_q, n_k, VARLEN)
+    if SPLIT_KV:
+        start_m = 0
+    else:
+        start_m = _query_tile_start(tl.program_id(0), n_q, CAUSAL, BLOCK_M)
     h_kv = h // group  # GQA: consecutive query heads share one key/value head
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < d_head
-    q_mask = (offs_m[:, None] < n_q) & d_mask[None, :]
+    row_valid = (offs_m >= 0) & (offs_m < n_q)
+    q_mask = row_valid[:, None] & d_mask[None, :]
+    rows = (q_start + offs_m).to(tl.int64)
 
     # ---- load the query tile once
-    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
-    k_ptrs = K + b * stride_kb + h_kv * stride_kh + offs_d[None, :]
-    v_ptrs = V + b * stride_vb + h_kv * stride_vh + offs_d[None, :]
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :], mask=q_mask,
+                other=0.0)
+    k_ptrs = K + b * stride_kb + h_kv * stride_kh + k_start * stride_kn + offs_d[None, :]
+    v_ptrs = V + b * stride_vb + h_kv * stride_vh + k_start * stride_vn + offs_d[None, :]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # ---- key ranges: [0, full_end) unmasked, [full_end, key_end) masked (diagonal / ragged edge)
-    causal_shift = n_k - n_q
-    full_end, key_end = _key_ranges(start_m, n_q, n_k, CAUSAL, BLOCK_M, BLOCK_N)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n,
-                               d_mask, 0, full_end, n_k, causal_shift, qk_scale,
-                               MASKED=False, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n,
-                               d_mask, full_end, key_end, n_k, causal_shift, qk_scale,
-                               MASKED=True, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N)
+    # ---- key ranges: masked head, unmasked middle, masked tail (window / diagonal / ragged edge)
+    shift = n_k - n_q
+    key_lo, full_lo, full_hi, key_hi = _key_ranges(start_m, n_q, n_k, win_left, win_right, BLOCK_M, BLOCK_N)
+    if SPLIT_KV:
+        # this program's share of the keys: [split, split + split_size), split_size a multiple of BLOCK_N
+        split_lo = tl.program_id(0) * split_size
+        split_hi = split_lo + split_size
+        key_hi = tl.maximum(tl.minimum(key_hi, split_hi), split_lo)
+        key_lo = tl.minimum(tl.maximum(key_lo, split_lo), key_hi)
+        full_lo = tl.minimum(tl.maximum(full_lo, key_lo), key_hi)
+        full_hi = tl.maximum(tl.minimum(full_hi, key_hi), full_lo)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
+                               key_lo, full_lo, n_k, shift, win_left, win_right, qk_scale,
+                               MASKED=True, BLOCK_N=BLOCK_N)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
+                               full_lo, full_hi, n_k, shift, win_left, win_right, qk_scale,
+                               MASKED=False, BLOCK_N=BLOCK_N)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
+                               full_hi, key_hi, n_k, shift, win_left, win_right, qk_scale,
+                               MASKED=True, BLOCK_N=BLOCK_N)
 
     # ---- epilogue: normalise; rows without a visible key give 0 and L = -inf
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
-    o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :]
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=q_mask)
-    tl.store(LSE + pid_bh.to(tl.int64) * n_q + offs_m, lse, mask=offs_m < n_q)
+    if SPLIT_KV:
+        # partials: O[split, b*h, row, d] fp32 and LSE[split, b*h, row], combined by _split_combine_kernel
+        part = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * BLOCK_M
+        tl.store(O + (part + tl.arange(0, BLOCK_M))[:, None] * BLOCK_D + offs_d[None, :], out)
+        tl.store(LSE + part + tl.arange(0, BLOCK_M), lse)
+    else:
+        o_ptrs = O + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_d[None, :]
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=q_mask)
+        tl.store(LSE + b * stride_lb + h * stride_lh + q_start + offs_m, lse, mask=row_valid)
+
+
+@triton.jit
+def _split_combine_kernel(O_PART, LSE_PART, O, LSE, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+                          n_heads, n_splits, n_bh, n_q, d_head, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Flash-decoding combine for one (batch, head): ``L = log Σ_s exp(L_s)``, ``O = Σ_s exp(L_s - L) O_s``
+    over the key splits (a split that saw no key has L_s = -inf and weight 0)."""
+    pid_bh = tl.program_id(0)
+    b = (pid_bh // n_heads).to(tl.int64)
+    h = (pid_bh % n_heads).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    s = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for split in range(0, n_splits):
+        part = (split * n_bh + pid_bh).to(tl.int64) * BLOCK_M
+        lse_s = tl.load(LSE_PART + part + offs_m)
+        o_s = tl.load(O_PART + (part + offs_m)[:, None] * BLOCK_D + offs_d[None, :])
+        m_new = tl.maximum(m, lse_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        w = tl.exp(lse_s - m_safe)
+        s = s * alpha + w
+        acc = acc * alpha[:, None] + o_s * w[:, None]
+        m = m_new
+    empty = s == 0.0
+    s_safe = tl.where(empty, 1.0, s)
+    lse = tl.where(empty, float("-inf"), m + tl.log(s_safe))
+    mask = (offs_m[:, None] < n_q) & (offs_d[None, :] < d_head)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :],
+             (acc / s_safe[:, None]).to(O.dtype.element_ty), mask=mask)
+    tl.store(LSE + b * stride_lb + h * stride_lh + offs_m, lse, mask=offs_m < n_q)
 
 
 # ----------------------------------------------------------------------------------------------------
 # backward
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
-def _bwd_preprocess(O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
-                    n_heads, bh_start, n_q, d_head, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """DELTA[bh, i] = sum_d O[i, d] * dO[i, d]."""
+def _bwd_preprocess(O, DO, DELTA, CU_Q, CU_K, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
+                    stride_lb, stride_lh, n_heads, bh_start, n_q, d_head,
+                    VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """DELTA[b, h, i] = sum_d O[i, d] * dO[i, d] (laid out like the logsumexp)."""
     pid_bh = tl.program_id(1) + bh_start
-    b = (pid_bh // n_heads).to(tl.int64)
-    h = (pid_bh % n_heads).to(tl.int64)
+    b, h, q_start, n_q, _, _ = _sequence(pid_bh, n_heads, CU_Q, CU_K, n_q, n_q, VARLEN)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m[:, None] < n_q) & (offs_d[None, :] < d_head)
-    rows = offs_m[:, None].to(tl.int64)
+    rows = (q_start + offs_m)[:, None].to(tl.int64)
     o = tl.load(O + b * stride_ob + h * stride_oh + rows * stride_om + offs_d[None, :], mask=mask, other=0.0)
     do = tl.load(DO + b * stride_dob + h * stride_doh + rows * stride_dom + offs_d[None, :], mask=mask,
                  other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(DELTA + pid_bh.to(tl.int64) * n_q + offs_m, delta, mask=offs_m < n_q)
+    tl.store(DELTA + b * stride_lb + h * stride_lh + q_start + offs_m, delta, mask=offs_m < n_q)
 
 
 @triton.jit
 def _load_lse_log2(LSE_ROW, offs_m, n_q):
     """L in log2 units for rows offs_m; padding rows and rows with no visible key get +inf so that
     exp2(s - L) = 0 for them."""
-    lse = tl.load(LSE_ROW + offs_m, mask=offs_m < n_q, other=float("inf"))
+    lse = tl.load(LSE_ROW + offs_m, mask=(offs_m >= 0) & (offs_m < n_q), other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
     return lse * 1.4426950408889634
 
 
 @triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW,
-                    offs_n, offs_d, d_mask, q_start, q_end, n_q, causal_shift, qk_scale,
+                    offs_n, offs_d, d_mask, q_start, q_end, n_q, n_k, shift, win_left, win_right, qk_scale,
                     MASKED: tl.constexpr, BLOCK_M: tl.constexpr):
     for start_m in range(q_start, q_end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -208,7 +308,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_RO
         s_t = tl.dot(k, tl.trans(q)) * qk_scale
         p_t = tl.math.exp2(s_t - lse[None, :])
         if MASKED:
-            p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + causal_shift, p_t, 0.0)
+            p_t = tl.where(tl.trans(_visible(offs_m, offs_n, n_k, shift, win_left, win_right)), p_t, 0.0)
         # ---- dV += Pᵀ dO ; dPᵀ = V dOᵀ ; dSᵀ = Pᵀ (dPᵀ - D) ; dK += dSᵀ Q
         dv += tl.dot(p_t.to(do.dtype), do)
         dp_t = tl.dot(v, tl.trans(do))
@@ -219,23 +319,22 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_RO
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
+    Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
-    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-    n_kv_heads, group, bh_start, n_q, n_k, d_head, qk_scale, sm_scale,
-    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lb, stride_lh,
+    n_kv_heads, group, bh_start, n_q, n_k, d_head, qk_scale, sm_scale, win_left, win_right,
+    VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # grid axis 1 walks (batch, kv head) pairs; the group's query heads are summed in a fixed order below
-    pid_bkv = tl.program_id(1) + bh_start
-    b = (pid_bkv // n_kv_heads).to(tl.int64)
-    h_kv = (pid_bkv % n_kv_heads).to(tl.int64)
+    b, h_kv, q_start, n_q, k_start, n_k = _sequence(tl.program_id(1) + bh_start, n_kv_heads, CU_Q, CU_K, n_q, n_k,
+                                                    VARLEN)
     start_n = tl.program_id(0) * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < d_head
     kv_mask = (offs_n[:, None] < n_k) & d_mask[None, :]
-    rows_n = offs_n[:, None].to(tl.int64)
+    rows_n = (k_start + offs_n)[:, None].to(tl.int64)
 
     # ---- this program's key/value tile stays in registers
     k = tl.load(K + b * stride_kb + h_kv * stride_kh + rows_n * stride_kn + offs_d[None, :], mask=kv_mask,
@@ -245,30 +344,24 @@ def _bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    causal_shift = n_k - n_q
-    if CAUSAL:
-        # query i sees key j when i >= j - shift: the first query seeing this tile is start_n - shift;
-        # from start_n + BLOCK_N - 1 - shift on, queries see the whole tile (no mask needed)
-        q_lo = tl.maximum(start_n - causal_shift, 0) // BLOCK_M * BLOCK_M
-        q_full = tl.minimum(tl.maximum(start_n + BLOCK_N - 1 - causal_shift, 0), n_q)
-        q_full = tl.minimum(tl.cdiv(q_full, BLOCK_M) * BLOCK_M, tl.cdiv(n_q, BLOCK_M) * BLOCK_M)
-        q_lo = tl.minimum(q_lo, q_full)
-    else:
-        q_lo = 0
-        q_full = 0
+    shift = n_k - n_q
+    q_lo, full_lo, full_hi, q_hi = _query_ranges(start_n, n_q, n_k, win_left, win_right, BLOCK_M, BLOCK_N)
     # ---- every query head of this kv head's group adds into the same dK, dV (sequential: deterministic)
     for g in range(0, group):
         h = h_kv * group + g
-        q_ptrs = Q + b * stride_qb + h * stride_qh + offs_d[None, :]
-        do_ptrs = DO + b * stride_dob + h * stride_doh + offs_d[None, :]
-        row_bh = (b * n_kv_heads * group + h) * n_q  # this query head's row of L and D
-        if CAUSAL:
-            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE + row_bh,
-                                     DELTA + row_bh, offs_n, offs_d, d_mask, q_lo, q_full, n_q, causal_shift,
-                                     qk_scale, MASKED=True, BLOCK_M=BLOCK_M)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE + row_bh, DELTA + row_bh,
-                                 offs_n, offs_d, d_mask, q_full, n_q, n_q, causal_shift, qk_scale,
-                                 MASKED=False, BLOCK_M=BLOCK_M)
+        q_ptrs = Q + b * stride_qb + h * stride_qh + q_start * stride_qm + offs_d[None, :]
+        do_ptrs = DO + b * stride_dob + h * stride_doh + q_start * stride_dom + offs_d[None, :]
+        LSE_ROW = LSE + b * stride_lb + h * stride_lh + q_start  # this query head's row of L (and of D below)
+        DELTA_ROW = DELTA + b * stride_lb + h * stride_lh + q_start
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW,
+                                 offs_n, offs_d, d_mask, q_lo, full_lo, n_q, n_k, shift, win_left, win_right,
+                                 qk_scale, MASKED=True, BLOCK_M=BLOCK_M)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW,
+                                 offs_n, offs_d, d_mask, full_lo, full_hi, n_q, n_k, shift, win_left, win_right,
+                                 qk_scale, MASKED=False, BLOCK_M=BLOCK_M)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW,
+                                 offs_n, offs_d, d_mask, full_hi, q_hi, n_q, n_k, shift, win_left, win_right,
+                                 qk_scale, MASKED=True, BLOCK_M=BLOCK_M)
 
     # ---- store; S was scaled by sm_scale, so dK picks it up once here
     dk = dk * sm_scale
@@ -280,8 +373,8 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask,
-                  k_start, k_end, n_k, causal_shift, qk_scale,
-                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+                  k_start, k_end, n_k, shift, win_left, win_right, qk_scale,
+                  MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
     """Fold key tiles ``[k_start, k_end)`` into dQ; padding keys load as zero and add nothing."""
     for start_n in range(k_start, k_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -292,8 +385,8 @@ def _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, o
         # ---- P = exp(S - L), dP = dO Vᵀ, dS = P (dP - D), dQ += dS K
         s = tl.dot(q, tl.trans(k)) * qk_scale
         p = tl.math.exp2(s - lse[:, None])
-        if MASKED and CAUSAL:
-            p = tl.where(offs_n[None, :] <= offs_m[:, None] + causal_shift, p, 0.0)
+        if MASKED:
+            p = tl.where(_visible(offs_m, offs_n, n_k, shift, win_left, win_right), p, 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
@@ -302,37 +395,43 @@ def _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, o
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ,
+    Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
-    stride_dqb, stride_dqh, stride_dqm,
-    n_heads, group, bh_start, n_q, n_k, d_head, qk_scale, sm_scale,
-    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh,
+    n_heads, group, bh_start, n_q, n_k, d_head, qk_scale, sm_scale, win_left, win_right,
+    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    start_m, b, h, pid_bh = _query_tile(n_q, n_heads, bh_start, CAUSAL, BLOCK_M)
+    b, h, q_start, n_q, k_start, n_k = _sequence(tl.program_id(1) + bh_start, n_heads, CU_Q, CU_K, n_q, n_k, VARLEN)
+    start_m = _query_tile_start(tl.program_id(0), n_q, CAUSAL, BLOCK_M)
     h_kv = h // group
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < d_head
-    q_mask = (offs_m[:, None] < n_q) & d_mask[None, :]
-    rows_m = offs_m[:, None].to(tl.int64)
+    row_valid = (offs_m >= 0) & (offs_m < n_q)
+    q_mask = row_valid[:, None] & d_mask[None, :]
+    rows_m = (q_start + offs_m)[:, None].to(tl.int64)
 
     # ---- this program's query tile, dO, L and D stay in registers
     q = tl.load(Q + b * stride_qb + h * stride_qh + rows_m * stride_qm + offs_d[None, :], mask=q_mask, other=0.0)
     do = tl.load(DO + b * stride_dob + h * stride_doh + rows_m * stride_dom + offs_d[None, :], mask=q_mask,
                  other=0.0)
-    lse = _load_lse_log2(LSE + pid_bh.to(tl.int64) * n_q, offs_m, n_q)
-    delta = tl.load(DELTA + pid_bh.to(tl.int64) * n_q + offs_m, mask=offs_m < n_q, other=0.0)
+    row_lse = b * stride_lb + h * stride_lh + q_start
+    lse = _load_lse_log2(LSE + row_lse, offs_m, n_q)
+    delta = tl.load(DELTA + row_lse + offs_m, mask=row_valid, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    k_ptrs = K + b * stride_kb + h_kv * stride_kh + offs_d[None, :]
-    v_ptrs = V + b * stride_vb + h_kv * stride_vh + offs_d[None, :]
+    k_ptrs = K + b * stride_kb + h_kv * stride_kh + k_start * stride_kn + offs_d[None, :]
+    v_ptrs = V + b * stride_vb + h_kv * stride_vh + k_start * stride_vn + offs_d[None, :]
 
-    causal_shift = n_k - n_q
-    full_end, key_end = _key_ranges(start_m, n_q, n_k, CAUSAL, BLOCK_M, BLOCK_N)
+    shift = n_k - n_q
+    key_lo, full_lo, full_hi, key_hi = _key_ranges(start_m, n_q, n_k, win_left, win_right, BLOCK_M, BLOCK_N)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask,
-                       0, full_end, n_k, causal_shift, qk_scale, MASKED=False, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N)
+                       key_lo, full_lo, n_k, shift, win_left, win_right, qk_scale, MASKED=True, BLOCK_N=BLOCK_N)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask,
-                       full_end, key_end, n_k, causal_shift, qk_scale, MASKED=True, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N)
+                       full_lo, full_hi, n_k, shift, win_left, win_right, qk_scale, MASKED=False, BLOCK_N=BLOCK_N)
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask,
+                       full_hi, key_hi, n_k, shift, win_left, win_right, qk_scale, MASKED=True, BLOCK_N=BLOCK_N)
 
     dq = dq * sm_scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + rows_m * stride_dqm + offs_d[None, :],
@@ -385,75 +484,161 @@ def _bwd_config(d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, 
     return block_m, block_n, warps, stages
 
 
-def _strides3(t: torch.Tensor):
-    return t.stride(0), t.stride(1), t.stride(2)
+def _strides3(t: torch.Tensor, packed: bool = False):
+    # packed sequences: program axis "b" indexes cu_seqlens, never memory, so its stride is 0
+    return (0 if packed else t.stride(0)), t.stride(1), t.stride(2)
 
 
-def _empty_4d_like(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _empty_4d_like(t: torch.Tensor, packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """An output shaped and laid out like ``t`` (a head-split view stays head-split), plus its 4-D view."""
     out = torch.empty_like(t)
-    view = as_4d(out)
+    view = _as_4d(out, packed)
     if view.data_ptr() != out.data_ptr():
         out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-        view = as_4d(out)
+        view = _as_4d(out, packed)
     return out, view
 
 
-def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float):
-    """Returns ``(o, lse)`` with ``o`` like ``q`` and ``lse`` fp32 ``q.shape[:-1]``."""
-    q4, k4, v4 = as_4d(q), as_4d(k), as_4d(v)
+def _as_4d(t: torch.Tensor, packed: bool) -> torch.Tensor:
+    """``[batch, heads, seq, d]`` view: :func:`as_4d` for batches, ``[1, heads, total, d]`` for packed
+    ``[total, heads, d]`` sequences (no copy unless the last dim is strided)."""
+    if not packed:
+        return as_4d(t)
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t.transpose(0, 1).unsqueeze(0)
+
+
+def _window(is_causal: bool, window: tuple[int, int], n_q: int, n_k: int) -> tuple[int, int]:
+    """Kernel window bounds: -1 (unbounded) becomes a bound no query reaches; causal caps the right side at 0."""
+    unbounded = n_q + n_k + 1
+    left, right = (unbounded if w < 0 else int(w) for w in window)
+    return left, (min(right, 0) if is_causal else right)
+
+
+#: Flash-decoding: at most this many queries per (batch, head), at least this many keys, before the keys are
+#: split across programs whose partial results a second kernel combines by their logsumexps.
+DECODE_MAX_QUERIES = 16
+DECODE_MIN_KEYS = 2048
+#: (BLOCK_M, BLOCK_N, num_warps, num_stages) of a split: 16-query tiles (the smallest tl.dot), and the
+#: interpreter's smaller key tiles.
+DECODE_CONFIG = (16, 64, 4, 3)
+DECODE_INTERPRETER_CONFIG = (16, 32, 4, 1)
+
+
+def _decode_splits(n_bh: int, n_q: int, n_k: int, block_n: int, device: torch.device) -> int:
+    """Key splits per (batch, head): 1 (no split) unless few queries meet a long cache; then enough programs
+    to put about two on every SM, never more than there are key tiles."""
+    if n_q > DECODE_MAX_QUERIES or n_k < DECODE_MIN_KEYS or n_bh > MAX_GRID_AXIS1:
+        return 1
+    if not on_gpu(device):  # interpreter: no parallelism to win, but the path runs (a split per 2 key tiles)
+        return max(1, min(8, triton.cdiv(n_k, 2 * block_n)))
+    sms = sm_count(device.index or 0) if device.type == "cuda" else ASSUMED_SM_COUNT
+    return max(1, min(triton.cdiv(2 * sms, n_bh), triton.cdiv(n_k, block_n)))
+
+
+def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, window=(-1, -1),
+                            cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0):
+    """Returns ``(o, lse)``: ``o`` like ``q``; ``lse`` fp32 ``q.shape[:-1]`` for batches, ``[heads, total_q]``
+    for packed sequences (``cu_seqlens_*`` given, ``q[total_q, heads, d]``)."""
+    packed = cu_seqlens_q is not None
+    q4, k4, v4 = (_as_4d(t, packed) for t in (q, k, v))
     b, h, n_q, d = q4.shape
     n_k, group = k4.shape[2], h // k4.shape[1]
-    o, o4 = _empty_4d_like(q)
-    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    if q.numel() == 0:
+    o, o4 = _empty_4d_like(q, packed)
+    if packed:
+        b, n_q, n_k = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
+        lse = torch.empty(h, q.shape[0], dtype=torch.float32, device=q.device)
+        lse_strides = (0, lse.stride(0))
+    else:
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        lse_strides = (h * n_q, n_q)
+    if q.numel() == 0 or b == 0:
         return o, lse
-    if n_k == 0:
+    if n_k == 0 or k.numel() == 0:
         o.zero_()
         lse.fill_(float("-inf"))
         return o, lse
+    win_left, win_right = _window(is_causal, window, n_q, n_k)
+    cu_q = cu_seqlens_q if packed else lse  # (unused pointer for batches)
+    cu_k = cu_seqlens_k if packed else lse
+    common = dict(CAUSAL=is_causal, VARLEN=packed, BLOCK_D=_block_d(d))
+    args = lambda o_arg, lse_arg, o_strides, l_strides: (  # noqa: E731
+        q4, k4, v4, o_arg, lse_arg, cu_q, cu_k, *_strides3(q4, packed), *_strides3(k4, packed),
+        *_strides3(v4, packed), *o_strides, *l_strides)
+    splits = 1 if packed else _decode_splits(b * h, n_q, n_k, DECODE_CONFIG[1], q.device)
+    if splits > 1:
+        # ---- flash-decoding: keys split over programs, partials combined by their logsumexps
+        block_m, block_n, warps, stages = DECODE_CONFIG if on_gpu(q.device) else DECODE_INTERPRETER_CONFIG
+        split_size = triton.cdiv(triton.cdiv(n_k, splits), block_n) * block_n
+        splits = triton.cdiv(n_k, split_size)
+        o_part = torch.empty(splits, b * h, block_m, _block_d(d), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(splits, b * h, block_m, dtype=torch.float32, device=q.device)
+        _fwd_kernel[(splits, b * h)](
+            *args(o_part, lse_part, (0, 0, 0), (0, 0)), h, group, 0, n_q, n_k, d, softmax_scale * LOG2E,
+            win_left, win_right, split_size, SPLIT_KV=True, BLOCK_M=block_m, BLOCK_N=block_n, **common,
+            num_warps=warps, num_stages=stages)
+        _split_combine_kernel[(b * h,)](o_part, lse_part, o4, lse, *_strides3(o4), *lse_strides, h, splits, b * h,
+                                        n_q, d, BLOCK_M=block_m, BLOCK_D=_block_d(d), num_warps=4)
+        return o, lse
     block_m, block_n, warps, stages = _fwd_config(d, q.dtype, q.device)
+    if n_q < block_m:  # few queries (decoding against a short cache): a smaller query tile wastes less
+        block_m = max(16, next_pow2(n_q))
     for bh_start, n_bh in grid_axis1_launches(b * h):
         _fwd_kernel[(triton.cdiv(n_q, block_m), n_bh)](
-            q4, k4, v4, o4, lse, *_strides3(q4), *_strides3(k4), *_strides3(v4), *_strides3(o4),
-            h, group, bh_start, n_q, n_k, d, softmax_scale * LOG2E,
-            CAUSAL=is_causal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(d),
-            num_warps=warps, num_stages=stages)
+            *args(o4, lse, _strides3(o4, packed), lse_strides), h, group, bh_start, n_q, n_k, d,
+            softmax_scale * LOG2E, win_left, win_right, 0, SPLIT_KV=False, BLOCK_M=block_m, BLOCK_N=block_n,
+            **common, num_warps=warps, num_stages=stages)
     return o, lse
 
 
-def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale: float):
+def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale: float, window=(-1, -1),
+                             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0):
     """Returns ``(dq, dk, dv)`` laid out like q, k, v."""
-    q4, k4, v4, o4, do4 = as_4d(q), as_4d(k), as_4d(v), as_4d(o), as_4d(do)
+    packed = cu_seqlens_q is not None
+    q4, k4, v4, o4, do4 = (_as_4d(t, packed) for t in (q, k, v, o, do))
     b, h, n_q, d = q4.shape
     n_k, h_kv = k4.shape[2], k4.shape[1]
     group = h // h_kv
-    dq, dq4 = _empty_4d_like(q)
-    dk, dk4 = _empty_4d_like(k)
-    dv, dv4 = _empty_4d_like(v)
-    if q.numel() == 0 or n_k == 0:
+    dq, dq4 = _empty_4d_like(q, packed)
+    dk, dk4 = _empty_4d_like(k, packed)
+    dv, dv4 = _empty_4d_like(v, packed)
+    if packed:
+        b, n_q, n_k = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
+        lse_strides = (0, lse.stride(0))
+    else:
+        lse_strides = (h * n_q, n_q)
+    if q.numel() == 0 or k.numel() == 0 or b == 0 or n_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
+    if packed:
+        dk.zero_()  # keys of empty or unseen packed sequences get no program that writes them
+        dv.zero_()
+    win_left, win_right = _window(is_causal, window, n_q, n_k)
+    cu_q = cu_seqlens_q if packed else lse
+    cu_k = cu_seqlens_k if packed else lse
     block_d = _block_d(d)
-    delta = torch.empty((b * h, n_q), dtype=torch.float32, device=q.device)
+    delta = torch.empty_like(lse)
     pre_m = 64
     block_m, block_n, warps, stages = _bwd_config(d, q.dtype, q.device)
-    common = dict(CAUSAL=is_causal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-                  num_warps=warps, num_stages=stages)
+    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, VARLEN=packed, num_warps=warps,
+                 num_stages=stages)
     qk_scale = softmax_scale * LOG2E
+    q_s, k_s, v_s, do_s = (_strides3(t, packed) for t in (q4, k4, v4, do4))
     for bh_start, n_bh in grid_axis1_launches(b * h):
         _bwd_preprocess[(triton.cdiv(n_q, pre_m), n_bh)](
-            o4, do4, delta, *_strides3(o4), *_strides3(do4), h, bh_start, n_q, d, BLOCK_M=pre_m, BLOCK_D=block_d)
+            o4, do4, delta, cu_q, cu_k, *_strides3(o4, packed), *do_s, *lse_strides, h, bh_start, n_q, d,
+            VARLEN=packed, BLOCK_M=pre_m, BLOCK_D=block_d)
     # dK/dV: one program per (key tile, batch, kv head), summing its group of query heads (needs every D above)
     for bh_start, n_bh in grid_axis1_launches(b * h_kv):
         _bwd_dkdv_kernel[(triton.cdiv(n_k, block_n), n_bh)](
-            q4, k4, v4, do4, lse, delta, dk4, dv4,
-            *_strides3(q4), *_strides3(k4), *_strides3(v4), *_strides3(do4), *_strides3(dk4), *_strides3(dv4),
-            h_kv, group, bh_start, n_q, n_k, d, qk_scale, softmax_scale, **common)
+            q4, k4, v4, do4, lse, delta, dk4, dv4, cu_q, cu_k, *q_s, *k_s, *v_s, *do_s,
+            *_strides3(dk4, packed), *_strides3(dv4, packed), *lse_strides,
+            h_kv, group, bh_start, n_q, n_k, d, qk_scale, softmax_scale, win_left, win_right, **tiles)
     for bh_start, n_bh in grid_axis1_launches(b * h):
         _bwd_dq_kernel[(triton.cdiv(n_q, block_m), n_bh)](
-            q4, k4, v4, do4, lse, delta, dq4,
-            *_strides3(q4), *_strides3(k4), *_strides3(v4), *_strides3(do4), *_strides3(dq4),
-            h, group, bh_start, n_q, n_k, d, qk_scale, softmax_scale, **common)
+            q4, k4, v4, do4, lse, delta, dq4, cu_q, cu_k, *q_s, *k_s, *v_s, *do_s, *_strides3(dq4, packed),
+            *lse_strides, h, group, bh_start, n_q, n_k, d, qk_scale, softmax_scale, win_left, win_right,
+            CAUSAL=is_causal, **tiles)
     return dq, dk, dv
 
 
@@ -461,26 +646,37 @@ def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale
 # custom ops (opaque to torch.compile) and the autograd Function
 # ----------------------------------------------------------------------------------------------------
 @torch.library.custom_op("tritonlm::flash_attention_fwd", mutates_args=())
-def _fa_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-               softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return flash_attention_forward(q, k, v, is_causal, softmax_scale)
+def _fa_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, softmax_scale: float,
+               window_left: int, window_right: int, cu_seqlens_q: torch.Tensor | None,
+               cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    return flash_attention_forward(q, k, v, is_causal, softmax_scale, (window_left, window_right), cu_seqlens_q,
+                                   cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 
 @_fa_fwd_op.register_fake
-def _(q, k, v, is_causal, softmax_scale):
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+def _(q, k, v, is_causal, softmax_scale, window_left, window_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+      max_seqlen_k):
+    packed = cu_seqlens_q is not None
+    o = _empty_4d_like(q, packed)[0]
+    lse_shape = (q.shape[1], q.shape[0]) if packed else q.shape[:-1]
+    return o, q.new_empty(lse_shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("tritonlm::flash_attention_bwd", mutates_args=())
 def _fa_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-               lse: torch.Tensor, is_causal: bool, softmax_scale: float
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return flash_attention_backward(do, q, k, v, o, lse, is_causal, softmax_scale)
+               lse: torch.Tensor, is_causal: bool, softmax_scale: float, window_left: int, window_right: int,
+               cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
+               max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return flash_attention_backward(do, q, k, v, o, lse, is_causal, softmax_scale, (window_left, window_right),
+                                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 
 @_fa_bwd_op.register_fake
-def _(do, q, k, v, o, lse, is_causal, softmax_scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(do, q, k, v, o, lse, is_causal, softmax_scale, window_left, window_right, cu_seqlens_q, cu_seqlens_k,
+      max_seqlen_q, max_seqlen_k):
+    packed = cu_seqlens_q is not None
+    return tuple(_empty_4d_like(t, packed)[0] for t in (q, k, v))
 
 
 def check_attention_inputs(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -513,33 +709,48 @@ def check_attention_inputs(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.T
 class FlashAttention(torch.autograd.Function):
     """Triton FlashAttention-2: ``FlashAttention.apply(q, k, v, is_causal=False, softmax_scale=None)``.
 
-    ``q[..., n_q, d]``, ``k, v[..., n_k, d]``; saves q, k, v, O and the logsumexp ``L`` (fp32,
-    ``q.shape[:-1]``) and recomputes P from L in backward.
+    ``q[..., n_q, d]``, ``k, v[..., n_k, d]``; k and v may have fewer heads (dim -3) than q (GQA / MQA: q heads
+    a multiple of kv heads, each kv head serving consecutive query heads, never repeated in memory). Saves q, k,
+    v, O and the logsumexp ``L`` (fp32, ``q.shape[:-1]``) and recomputes P from L in backward.
+
+    Internal extras (used by :func:`flash_attn_func` / :func:`flash_attn_varlen_func`): ``window=(left, right)``
+    (-1 = unbounded, flash-attn's convention) and packed sequences (``cu_seqlens_q/k`` with ``q[total, heads, d]``).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, is_causal=False, softmax_scale=None):
-        check_attention_inputs("FlashAttention", q, k, v)
+    def forward(ctx, q, k, v, is_causal=False, softmax_scale=None, window=None, cu_seqlens_q=None,
+                cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+        if cu_seqlens_q is None:
+            check_attention_inputs("FlashAttention", q, k, v)
         check_float("FlashAttention", q)
         check_device("FlashAttention", q, k, v)
         d = q.shape[-1]
         if d > 256:
             raise ValueError(f"FlashAttention: head dim {d} > 256 is not supported")
         scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
-        fwd = _fa_fwd_op if use_custom_op(q) else flash_attention_forward
+        window = (-1, -1) if window is None else (int(window[0]), int(window[1]))
+        extra = (window[0], window[1], cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
         with kernel_range("tritonlm::flash_attention_fwd"):
-            o, lse = fwd(q, k, v, bool(is_causal), scale)
+            if use_custom_op(q):
+                o, lse = _fa_fwd_op(q, k, v, bool(is_causal), scale, *extra)
+            else:
+                o, lse = flash_attention_forward(q, k, v, bool(is_causal), scale, window, *extra[2:])
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.is_causal, ctx.scale = bool(is_causal), scale
+        ctx.is_causal, ctx.scale, ctx.extra = bool(is_causal), scale, extra
         return o
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        bwd = _fa_bwd_op if use_custom_op(q) else flash_attention_backward
+        extra = ctx.extra
         with kernel_range("tritonlm::flash_attention_bwd"):
-            dq, dk, dv = bwd(do, q, k, v, o, lse, ctx.is_causal, ctx.scale)
-        return dq, dk, dv, None, None
+            if use_custom_op(q):
+                dq, dk, dv = _fa_bwd_op(do, q, k, v, o, lse, ctx.is_causal, ctx.scale, *extra)
+            else:
+                dq, dk, dv = flash_attention_backward(do, q, k, v, o, lse, ctx.is_causal, ctx.scale, extra[:2],
+                                                      *extra[2:])
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,

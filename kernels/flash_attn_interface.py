@@ -1,0 +1,115 @@
+"""flash-attn 2's call signatures on top of :class:`~tritonlm.kernels.FlashAttention`.
+
+``flash_attn_func`` takes ``[batch, seq, heads, d]`` tensors, ``flash_attn_varlen_func`` packed
+``[total_tokens, heads, d]`` sequences with int32 cumulative lengths ``cu_seqlens`` (``batch + 1`` entries,
+starting at 0). Both follow flash-attn's semantics: k and v may have fewer heads than q (GQA / MQA), causal
+masks align to the bottom-right corner (query ``i`` of ``n_q`` sees key ``j`` of ``n_k`` when
+``j <= i + n_k - n_q``), ``window_size=(left, right)`` keeps keys ``j`` in ``[i + n_k - n_q - left,
+i + n_k - n_q + right]`` with -1 meaning unbounded, and the default scale is ``1 / sqrt(d)``. They are
+differentiable (the Triton backward), and deterministic whatever ``deterministic`` says. What is not built —
+dropout, ALiBi, softcapping, returning attention probabilities, paged KV (``block_table``) — is a one-line
+error naming the argument, never silently ignored. The kernels never visit a key tile outside a query's
+sequence or window.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .flash_attention import FlashAttention
+
+
+def _unsupported(op: str, dropout_p, softcap, alibi_slopes, return_attn_probs, block_table=None) -> None:
+    if dropout_p:
+        raise NotImplementedError(f"{op}: dropout_p={dropout_p} is not supported (attention dropout is not built)")
+    if softcap:
+        raise NotImplementedError(f"{op}: softcap={softcap} is not supported")
+    if alibi_slopes is not None:
+        raise NotImplementedError(f"{op}: alibi_slopes is not supported")
+    if return_attn_probs:
+        raise NotImplementedError(f"{op}: return_attn_probs=True is not supported (the kernel never forms P)")
+    if block_table is not None:
+        raise NotImplementedError(f"{op}: block_table (paged KV cache) is not supported")
+
+
+def _check_window(op: str, window_size) -> tuple[int, int]:
+    try:
+        left, right = (int(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"{op}: window_size must be (left, right) ints, got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"{op}: window_size entries must be >= -1 (-1 = unbounded), got {window_size!r}")
+    return left, right
+
+
+def _check_heads(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if k.shape[-2] != v.shape[-2] or k.shape[-1] != v.shape[-1]:
+        raise ValueError(f"{op}: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same heads and head dim")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"{op}: head dims differ: q {q.shape[-1]}, k {k.shape[-1]}")
+    if k.shape[-2] == 0 or q.shape[-2] % k.shape[-2]:
+        raise ValueError(f"{op}: q has {q.shape[-2]} heads, not a multiple of k/v's {k.shape[-2]}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{op}: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """Attention over ``q[batch, seq_q, heads, d]``, ``k, v[batch, seq_k, kv_heads, d]`` -> ``[batch, seq_q,
+    heads, d]`` with flash-attn 2's signature and semantics (module docstring)."""
+    op = "flash_attn_func"
+    _unsupported(op, dropout_p, softcap, alibi_slopes, return_attn_probs)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{op}: {name} must be [batch, seq, heads, d], got {tuple(t.shape)}")
+    if not (q.shape[0] == k.shape[0] == v.shape[0]) or k.shape[1] != v.shape[1]:
+        raise ValueError(f"{op}: batch / key lengths differ: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    _check_heads(op, q, k, v)
+    window = _check_window(op, window_size)
+    # [batch, seq, heads, d] -> [batch, heads, seq, d] views: the kernel takes any strides, nothing is copied
+    out = FlashAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bool(causal), softmax_scale,
+                               window)
+    return out.transpose(1, 2)
+
+
+def _check_cu_seqlens(op: str, name: str, cu: torch.Tensor, total: int, max_seqlen: int, device) -> list[int]:
+    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
+        raise TypeError(f"{op}: {name} must be a 1-D int32 tensor of cumulative lengths, got "
+                        f"{getattr(cu, 'dtype', type(cu).__name__)} {tuple(getattr(cu, 'shape', ()))}")
+    if cu.device != device:
+        raise ValueError(f"{op}: {name} is on {cu.device} but the inputs are on {device}")
+    values = cu.tolist()  # one host sync: the offsets decide which programs do work
+    if values[0] != 0:
+        raise ValueError(f"{op}: {name} must start at 0, got {values[0]}")
+    lengths = [b - a for a, b in zip(values, values[1:])]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"{op}: {name} must be non-decreasing, got {values}")
+    if values[-1] != total:
+        raise ValueError(f"{op}: {name} ends at {values[-1]} but there are {total} tokens")
+    if lengths and max(lengths) > int(max_seqlen):
+        raise ValueError(f"{op}: a sequence has {max(lengths)} tokens, more than max_seqlen={max_seqlen}")
+    return lengths
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """Attention within each packed sequence: ``q[total_q, heads, d]``, ``k, v[total_k, kv_heads, d]``, sequence
+    ``i`` owning query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and the matching key rows; returns
+    ``[total_q, heads, d]``. flash-attn 2's signature and semantics (module docstring)."""
+    op = "flash_attn_varlen_func"
+    _unsupported(op, dropout_p, softcap, alibi_slopes, return_attn_probs, block_table)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(f"{op}: {name} must be [total_tokens, heads, d], got {tuple(t.shape)}")
+    if k.shape[0] != v.shape[0]:
+        raise ValueError(f"{op}: k has {k.shape[0]} tokens but v has {v.shape[0]}")
+    _check_heads(op, q, k, v)
+    window = _check_window(op, window_size)
+    n_q = _check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, q.device)
+    n_k = _check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, q.device)
+    if len(n_q) != len(n_k):
+        raise ValueError(f"{op}: cu_seqlens_q describes {len(n_q)} sequences but cu_seqlens_k {len(n_k)}")
+    return FlashAttention.apply(q, k, v, bool(causal), softmax_scale, window, cu_seqlens_q, cu_seqlens_k,
+                                max(n_q, default=0), max(n_k, default=0))
