@@ -95,6 +95,15 @@ class MultiHeadSelfAttention(_ref.MultiHeadSelfAttention):
         # GQA: k, v keep their num_kv_heads heads; the kernel maps each query head to its kv head
         return _kernels().FlashAttention.apply(q, k, v, True)
 
+    def attend_documents(self, q, k, v, documents):
+        """Packed documents as varlen attention: ``[batch, heads, seq, d]`` -> ``[batch*seq, heads, d]`` views
+        (no copy for head-split projections), one causal sequence per document, never a mask."""
+        batch, seq = documents.ids.shape
+        packed = [t.transpose(-3, -2).reshape(batch * seq, t.shape[-3], t.shape[-1]) for t in (q, k, v)]
+        out = _kernels().FlashAttention.apply(*packed, True, None, None, documents.cu_seqlens, documents.cu_seqlens,
+                                              documents.max_len, documents.max_len)
+        return out.reshape(batch, seq, q.shape[-3], q.shape[-1]).transpose(-3, -2)
+
 
 class TransformerBlock(_Block):
     """The shared block assembly, defaulting to ``backend="triton"``."""

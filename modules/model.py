@@ -100,18 +100,19 @@ class TransformerBlock(nn.Module):
         self.ffn = _make_ffn(ffn, comps, d_model, d_ff, device, dtype)
 
     def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None,
-                kv_cache=None, *, pending: torch.Tensor | None = None, return_pending: bool = False):
+                kv_cache=None, *, pending: torch.Tensor | None = None, return_pending: bool = False,
+                documents=None):
         """``x[..., seq, d_model] -> [..., seq, d_model]``. Pre-norm only: ``pending`` is added to ``x`` first and
         ``return_pending=True`` returns ``(h, ffn_out)`` unsummed (see :meth:`forward_pending`); going through
         ``__call__`` keeps module hooks (FSDP's unsharding) in effect."""
         if self.norm_position == "pre":
-            h, ffn_out = self.forward_pending(x, pending, token_positions, kv_cache)
+            h, ffn_out = self.forward_pending(x, pending, token_positions, kv_cache, documents)
             return (h, ffn_out) if return_pending else h + ffn_out
-        h = self.ln1(x + self.attn(x, token_positions, kv_cache))
+        h = self.ln1(x + self.attn(x, token_positions, kv_cache, documents))
         return self.ln2(h + self.ffn(h))
 
     def forward_pending(self, residual: torch.Tensor, pending: torch.Tensor | None,
-                        token_positions: torch.Tensor | None = None, kv_cache=None):
+                        token_positions: torch.Tensor | None = None, kv_cache=None, documents=None):
         """Pre-norm block on the input ``residual + pending`` (``pending=None``: ``residual`` alone), returning
         ``(h, ffn_out)`` with the block's output ``h + ffn_out`` left unsummed.
 
@@ -123,7 +124,7 @@ class TransformerBlock(nn.Module):
             h_in, a = residual, self.ln1(residual)
         else:
             a, h_in = _add_norm(self.ln1, pending, residual)
-        y, h = _add_norm(self.ln2, self.attn(a, token_positions, kv_cache), h_in)
+        y, h = _add_norm(self.ln2, self.attn(a, token_positions, kv_cache, documents), h_in)
         return h, self.ffn(y)
 
 
@@ -217,15 +218,25 @@ class TransformerLM(nn.Module):
                       kv_caches=None, *, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``token_ids[batch, seq]`` -> the final normed hidden states ``[batch, seq, d_model]`` (the LM head's
         input)."""
-        if document_ids is not None:
-            raise NotImplementedError("document_ids (packed documents with per-document attention) is not "
-                                      "supported yet; pass one document per row")
         if token_ids.dim() < 1:
             raise ValueError("token_ids must have a sequence dim: [batch, seq] or [seq]")
         seq = token_ids.shape[-1]
         past = kv_caches[0].length if kv_caches else 0
         if past + seq > self.context_length:
             raise ValueError(f"sequence length {past + seq} exceeds context_length {self.context_length}")
+        documents = None
+        if document_ids is not None:
+            from .reference import Documents
+
+            if kv_caches:
+                raise ValueError("document_ids cannot be combined with kv_caches (decoding is one document)")
+            if token_ids.dim() != 2 or document_ids.shape != token_ids.shape:
+                raise ValueError(f"document_ids {tuple(document_ids.shape)} must match token_ids "
+                                 f"{tuple(token_ids.shape)} as [batch, seq]")
+            if token_positions is not None:
+                raise ValueError("give document_ids or token_positions, not both (positions restart per document)")
+            documents = Documents(document_ids.to(token_ids.device))
+            token_positions = documents.positions
         x = self.token_embeddings(token_ids)
         if self.position_encoding is not None:
             if token_positions is None:
@@ -233,13 +244,13 @@ class TransformerLM(nn.Module):
             x = self.position_encoding(x, token_positions)
         if self.config.norm_position == "post":
             for i, layer in enumerate(self.layers):
-                x = layer(x, token_positions, kv_caches[i] if kv_caches else None)
+                x = layer(x, token_positions, kv_caches[i] if kv_caches else None, documents=documents)
             return self.ln_final(x)
         # pre-norm: each block's last residual add is left pending for the next norm to fuse (forward_pending)
         pending = None
         for i, layer in enumerate(self.layers):
             x, pending = layer(x, token_positions, kv_caches[i] if kv_caches else None, pending=pending,
-                               return_pending=True)
+                               return_pending=True, documents=documents)
         return self.ln_final(x) if pending is None else _add_norm(self.ln_final, pending, x)[0]
 
     def new_kv_caches(self):

@@ -314,6 +314,41 @@ class KVCache:
         return self.k[..., :self.length, :], self.v[..., :self.length, :]
 
 
+class Documents:
+    """Packed documents of a ``[batch, seq]`` batch: ``ids[batch, seq]``, non-decreasing along seq. A token attends
+    only to earlier tokens of its own document, and RoPE positions restart at 0 per document.
+
+    Derived once per forward and shared by every layer: ``positions`` (``[batch, seq]``, position within the
+    document), the block-diagonal causal ``mask()`` (the reference path), and for the fused path the
+    documents as packed sequences of the flattened batch: int32 ``cu_seqlens`` and ``max_len``.
+    """
+
+    def __init__(self, ids: torch.Tensor):
+        if ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise ValueError(f"document_ids must be integer [batch, seq], got {ids.dtype} {tuple(ids.shape)}")
+        if ids.shape[-1] > 1 and bool((ids[:, 1:] < ids[:, :-1]).any()):
+            raise ValueError("document_ids must be non-decreasing along the sequence")
+        self.ids = ids
+        batch, seq = ids.shape
+        index = torch.arange(seq, device=ids.device).expand(batch, seq)
+        starts = torch.ones_like(ids, dtype=torch.bool)
+        starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+        # position = index - index of the document's first token (a running max of the start indices)
+        first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
+        self.positions = index - first
+        flat_starts = starts.reshape(-1).nonzero().squeeze(-1)
+        bounds = torch.cat([flat_starts, flat_starts.new_tensor([batch * seq])])
+        self.cu_seqlens = bounds.to(torch.int32)
+        self.max_len = int((bounds[1:] - bounds[:-1]).max()) if batch * seq else 0
+
+    def mask(self) -> torch.Tensor:
+        """``[batch, 1, seq, seq]`` boolean: same document and not in the future (True = attend)."""
+        same = self.ids[:, :, None] == self.ids[:, None, :]
+        seq = self.ids.shape[-1]
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=self.ids.device).tril()
+        return (same & causal)[:, None]
+
+
 class MultiHeadSelfAttention(nn.Module):
     """Causal multi-head self-attention with optional RoPE on queries and keys.
 
@@ -346,7 +381,7 @@ class MultiHeadSelfAttention(nn.Module):
             self.rope = None
 
     def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None) -> torch.Tensor:
+                kv_cache: KVCache | None = None, documents: Documents | None = None) -> torch.Tensor:
         """``x[..., seq, d_model]``, ``token_positions[..., seq]`` (default: ``0..seq-1``, after the cached
         positions when ``kv_cache`` holds some) -> ``[..., seq, d_model]``."""
         _check_last_dim(x, self.d_model, "MultiHeadSelfAttention")
@@ -364,10 +399,11 @@ class MultiHeadSelfAttention(nn.Module):
             elif token_positions.shape[-1] != seq:
                 raise ValueError(f"token_positions {tuple(token_positions.shape)} must end in seq={seq}")
             # positions [..., seq] gain a heads axis so they broadcast over [..., heads, seq, d_k]
-            q, k = self.rotate(q, k, token_positions.unsqueeze(-2), trusted=generated)
+            # positions made here or per document (all < seq <= max_seq_len) need no range check
+            q, k = self.rotate(q, k, token_positions.unsqueeze(-2), trusted=generated or documents is not None)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
-        out = self.attend(q, k, v)
+        out = self.attend(q, k, v) if documents is None else self.attend_documents(q, k, v, documents)
         return self.output_proj(rearrange(out, "... heads seq d_k -> ... seq (heads d_k)"))
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, trusted: bool = False):
@@ -385,3 +421,10 @@ class MultiHeadSelfAttention(nn.Module):
             k, v = (repeat(t, "... kv_heads seq d_k -> ... (kv_heads group) seq d_k", group=group) for t in (k, v))
         mask = F.causal_mask(q.shape[-2], k.shape[-2], device=q.device)
         return F.scaled_dot_product_attention(q, k, v, mask)
+
+    def attend_documents(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents):
+        """Causal attention within each packed document: an explicit block-diagonal causal mask."""
+        group = self.num_heads // self.num_kv_heads
+        if group > 1:
+            k, v = (repeat(t, "... kv_heads seq d_k -> ... (kv_heads group) seq d_k", group=group) for t in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, documents.mask())

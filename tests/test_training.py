@@ -363,3 +363,18 @@ def test_index_keyed_optimizer_state_loads_without_name_lookup(tmp_path):
     assert load_checkpoint(tmp_path / "ck.pt", model2, opt2) == 2
     last = len(opt.param_groups[0]["params"]) - 1
     assert torch.equal(opt2.state_dict()["state"][last]["exp_avg"], opt.state_dict()["state"][last]["exp_avg"])
+
+
+def test_document_ids_from_end_of_text_and_document_mask_training(corpus, tmp_path):
+    from tritonlm.data import document_ids
+
+    x = torch.tensor([[5, 0, 7, 7, 0, 0, 3]])
+    # an end-of-text token (0) closes its document; the next token starts the following one
+    assert document_ids(x, 0).tolist() == [[0, 0, 1, 1, 1, 2, 3]]
+    text = corpus.read_text().replace(".\n", ".<|endoftext|>\n")
+    docs = tmp_path / "docs.txt"
+    docs.write_text(text)
+    lines = []
+    summary = train(_cfg(docs, tmp_path / "run", document_mask=True, max_steps=20), say=lines.append)
+    assert any("--document-mask" in line for line in lines)
+    assert summary["final_val_loss"] < summary["unigram_entropy"]

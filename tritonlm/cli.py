@@ -104,6 +104,7 @@ def cmd_train(args) -> int:
         max_steps=args.max_steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
         min_lr=args.min_lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, z_loss=args.z_loss, label_smoothing=args.label_smoothing,
+        document_mask=args.document_mask,
         eval_every=args.eval_every, eval_batches=args.eval_batches,
         log_every=args.log_every, checkpoint_every=args.checkpoint_every, out=args.out, backend=args.backend,
         device=args.device, dtype=args.dtype, compile=args.compile, fsdp=args.fsdp, seed=args.seed,
@@ -375,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int, default=None, help="linear warmup steps (default 5%% of steps)")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0, help="global gradient L2 norm cap (default 1.0)")
+    p.add_argument("--document-mask", action="store_true",
+                   help="packed documents: attention only within each document (split at <|endoftext|>), "
+                        "positions restarting per document (fused backend: varlen attention)")
     p.add_argument("--z-loss", type=float, default=0.0,
                    help="weight of the z-loss term z·logsumexp² per token (PaLM; e.g. 1e-4; default 0)")
     p.add_argument("--label-smoothing", type=float, default=0.0,

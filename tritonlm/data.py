@@ -39,3 +39,13 @@ def batch_at(dataset, starts, context_length: int, device="cpu") -> tuple[torch.
     else:
         windows = windows.to(device)
     return windows[:, :-1], windows[:, 1:]
+
+
+def document_ids(token_ids: torch.Tensor, end_of_text_id: int) -> torch.Tensor:
+    """``[batch, seq]`` document index of every token of packed documents: an end-of-text token closes its
+    document and the next token starts a new one (so the ids are non-decreasing along seq). Feed it to
+    ``TransformerLM(..., document_ids=...)``: attention stays within a document, positions restart at 0."""
+    if token_ids.dtype.is_floating_point:
+        raise TypeError(f"token_ids must be integer, got {token_ids.dtype}")
+    ends = (token_ids == end_of_text_id).long()
+    return ends.cumsum(dim=-1) - ends

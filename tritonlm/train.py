@@ -35,7 +35,7 @@ from .checkpoint import (
     unwrap,
 )
 from .config import ModelConfig
-from .data import batch_at, sample_starts
+from .data import batch_at, document_ids, sample_starts
 from .modules import TransformerLM
 from .optim import AdamW, clip_grad_norm_, cosine_lr_schedule
 
@@ -63,6 +63,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     z_loss: float = 0.0
     label_smoothing: float = 0.0
+    document_mask: bool = False
     eval_every: int = 100
     eval_batches: int = 8
     log_every: int = 10
@@ -317,6 +318,12 @@ def train(cfg: TrainConfig, say=print) -> dict:
         raise TrainError(f"the data has {len(tokens):,} tokens: too few for context {mcfg.context_length} "
                          f"plus a validation split")
     train_tokens, val_tokens = tokens[:-n_val], tokens[-n_val:]
+    end_of_text = None
+    if cfg.document_mask:
+        end_of_text = tokenizer._special_ids.get(SPECIAL_TOKENS[0]) if tokenizer is not None else None
+        if end_of_text is None:
+            raise TrainError(f"--document-mask needs a tokenizer with {SPECIAL_TOKENS[0]} to find document ends "
+                             "(pass --tokenizer with a token file)")
     entropy = unigram_entropy(train_tokens, mcfg.vocab_size)
 
     # ---- model and optimizer
@@ -388,11 +395,16 @@ def train(cfg: TrainConfig, say=print) -> dict:
     say(f"train: {cfg.max_steps} steps x {tokens_per_step:,} tokens (batch {cfg.batch_size} x {dist_info.world} "
         f"ranks x accum {cfg.grad_accum}, context {ctx}), {precision}, lr {cfg.lr:g} -> {min_lr:g}, "
         f"unigram entropy of the data {entropy:.3f} nats")
+    if end_of_text is not None:
+        say(f"train: --document-mask: attention stays within documents ended by {SPECIAL_TOKENS[0]} (id "
+            f"{end_of_text}), positions restart per document" + (" (varlen kernels)" if backend == "triton" else ""))
 
     def micro_batch(source, gen):
+        """``(x, y, extra)``: windows, targets and the forward's document_ids when --document-mask is on."""
         starts = sample_starts(len(source), global_batch, ctx, gen)
         mine = starts[dist_info.rank * cfg.batch_size:(dist_info.rank + 1) * cfg.batch_size]
-        return batch_at(source, mine, ctx, device)
+        x, y = batch_at(source, mine, ctx, device)
+        return x, y, ({"document_ids": document_ids(x, end_of_text)} if end_of_text is not None else {})
 
     @torch.no_grad()
     def evaluate() -> float:
@@ -400,9 +412,9 @@ def train(cfg: TrainConfig, say=print) -> dict:
         gen = torch.Generator().manual_seed(cfg.seed + 1)  # the same validation windows every time
         total = torch.zeros((), device=device)
         for _ in range(cfg.eval_batches):
-            x, y = micro_batch(val_tokens, gen)
+            x, y, extra = micro_batch(val_tokens, gen)
             with autocast:  # the plain cross-entropy (no smoothing, no z-loss): val perplexity stays comparable
-                total += train_model(x, targets=y).float()
+                total += train_model(x, targets=y, **extra).float()
         model.train()
         return float(_all_mean(total / cfg.eval_batches, dist_info))
 
@@ -447,11 +459,11 @@ def train(cfg: TrainConfig, say=print) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr
         for micro in range(cfg.grad_accum):
-            x, y = micro_batch(train_tokens, generator)
+            x, y, extra = micro_batch(train_tokens, generator)
             sync = micro == cfg.grad_accum - 1 or not isinstance(train_model, torch.nn.parallel.DistributedDataParallel)
             with train_model.no_sync() if not sync else _null():
                 with autocast:  # the loss comes out of forward (DDP/FSDP/compile see it); fused: no logits held
-                    loss = train_model(x, targets=y, **loss_options) / cfg.grad_accum
+                    loss = train_model(x, targets=y, **extra, **loss_options) / cfg.grad_accum
                 loss.backward()
             loss_acc += loss.detach()
         grad_norm = clip_grad_norm_(model.parameters(), cfg.grad_clip)
