@@ -118,10 +118,16 @@ def _query_ranges(start_n, n_q, n_k, win_left, win_right, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
-def _visible(queries, keys, n_k, shift, win_left, win_right):
-    """``[queries, keys]`` mask of the window (keys past ``n_k`` are never visible)."""
-    rel = keys[None, :] - queries[:, None] - shift
-    return (keys[None, :] < n_k) & (rel <= win_right) & (rel >= -win_left)
+def _visible(queries, keys, n_k, shift, win_left, win_right, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """``[queries, keys]`` mask (keys past ``n_k`` are never visible). Without a window (``WINDOW`` constexpr
+    False) only the causal diagonal is compared: fewer registers in the common case."""
+    visible = keys[None, :] < n_k
+    if WINDOW:
+        rel = keys[None, :] - queries[:, None] - shift
+        visible = visible & (rel <= win_right) & (rel >= -win_left)
+    elif CAUSAL:
+        visible = visible & (keys[None, :] <= queries[:, None] + shift)
+    return visible
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -130,7 +136,7 @@ def _visible(queries, keys, n_k, shift, win_left, win_right):
 @triton.jit
 def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
                key_start, key_end, n_k, shift, win_left, win_right, qk_scale,
-               MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
     """Fold key tiles ``[key_start, key_end)`` into the running (acc, m_i, l_i)."""
     for start_n in range(key_start, key_end, BLOCK_N):
         keys = start_n + offs_n
@@ -144,7 +150,7 @@ def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, o
         # ---- scores in log2 units
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if MASKED:
-            s = tl.where(_visible(offs_m, keys, n_k, shift, win_left, win_right), s, float("-inf"))
+            s = tl.where(_visible(offs_m, keys, n_k, shift, win_left, win_right, CAUSAL, WINDOW), s, float("-inf"))
         # ---- online softmax update; a row that has seen no key keeps m = -inf, so subtract 0 instead
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -162,7 +168,7 @@ def _fwd_kernel(
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
     n_heads, group, bh_start, n_q, n_k, d_head, qk_scale, win_left, win_right, split_size,
-    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, SPLIT_KV: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, SPLIT_KV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # SPLIT_KV (decoding): grid axis 0 is the key split, not the query tile; the one query tile holds every query
@@ -203,15 +209,16 @@ def _fwd_kernel(
         key_lo = tl.minimum(tl.maximum(key_lo, split_lo), key_hi)
         full_lo = tl.minimum(tl.maximum(full_lo, key_lo), key_hi)
         full_hi = tl.maximum(tl.minimum(full_hi, key_hi), full_lo)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
-                               key_lo, full_lo, n_k, shift, win_left, win_right, qk_scale,
-                               MASKED=True, BLOCK_N=BLOCK_N)
+    if WINDOW or SPLIT_KV:  # (without a left bound, or a split start, the masked head range is empty)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
+                                   key_lo, full_lo, n_k, shift, win_left, win_right, qk_scale,
+                                   MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
                                full_lo, full_hi, n_k, shift, win_left, win_right, qk_scale,
-                               MASKED=False, BLOCK_N=BLOCK_N)
+                               MASKED=False, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
                                full_hi, key_hi, n_k, shift, win_left, win_right, qk_scale,
-                               MASKED=True, BLOCK_N=BLOCK_N)
+                               MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N)
 
     # ---- epilogue: normalise; rows without a visible key give 0 and L = -inf
     empty = l_i == 0.0
@@ -293,27 +300,39 @@ def _load_lse_log2(LSE_ROW, offs_m, n_q):
 
 
 @triton.jit
+def _bwd_dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW, offs_n, d_mask,
+                   start_m, n_q, n_k, shift, win_left, win_right, qk_scale,
+                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Fold the query tile at ``start_m`` into this key tile's dK, dV."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    row_mask = (offs_m[:, None] < n_q) & d_mask[None, :]
+    # ---- load a query tile, its dO, L and D (padding rows load as zero / +inf)
+    q = tl.load(q_ptrs + offs_m[:, None].to(tl.int64) * stride_qm, mask=row_mask, other=0.0)
+    do = tl.load(do_ptrs + offs_m[:, None].to(tl.int64) * stride_dom, mask=row_mask, other=0.0)
+    lse = _load_lse_log2(LSE_ROW, offs_m, n_q)
+    delta = tl.load(DELTA_ROW + offs_m, mask=offs_m < n_q, other=0.0)
+    # ---- recompute Pᵀ = exp(Sᵀ - L): [BLOCK_N keys, BLOCK_M queries]
+    s_t = tl.dot(k, tl.trans(q)) * qk_scale
+    p_t = tl.math.exp2(s_t - lse[None, :])
+    if MASKED:
+        p_t = tl.where(tl.trans(_visible(offs_m, offs_n, n_k, shift, win_left, win_right, CAUSAL, WINDOW)), p_t, 0.0)
+    # ---- dV += Pᵀ dO ; dPᵀ = V dOᵀ ; dSᵀ = Pᵀ (dPᵀ - D) ; dK += dSᵀ Q
+    dv += tl.dot(p_t.to(do.dtype), do)
+    dp_t = tl.dot(v, tl.trans(do))
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk += tl.dot(ds_t.to(q.dtype), q)
+    return dk, dv
+
+
+@triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW,
-                    offs_n, offs_d, d_mask, q_start, q_end, n_q, n_k, shift, win_left, win_right, qk_scale,
-                    MASKED: tl.constexpr, BLOCK_M: tl.constexpr):
+                    offs_n, d_mask, q_start, q_end, n_q, n_k, shift, win_left, win_right, qk_scale,
+                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Fold query tiles ``[q_start, q_end)`` of one query head into dK, dV."""
     for start_m in range(q_start, q_end, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        row_mask = (offs_m[:, None] < n_q) & d_mask[None, :]
-        # ---- load a query tile, its dO, L and D (padding rows load as zero / +inf)
-        q = tl.load(q_ptrs + offs_m[:, None].to(tl.int64) * stride_qm, mask=row_mask, other=0.0)
-        do = tl.load(do_ptrs + offs_m[:, None].to(tl.int64) * stride_dom, mask=row_mask, other=0.0)
-        lse = _load_lse_log2(LSE_ROW, offs_m, n_q)
-        delta = tl.load(DELTA_ROW + offs_m, mask=offs_m < n_q, other=0.0)
-        # ---- recompute Pᵀ = exp(Sᵀ - L): [BLOCK_N keys, BLOCK_M queries]
-        s_t = tl.dot(k, tl.trans(q)) * qk_scale
-        p_t = tl.math.exp2(s_t - lse[None, :])
-        if MASKED:
-            p_t = tl.where(tl.trans(_visible(offs_m, offs_n, n_k, shift, win_left, win_right)), p_t, 0.0)
-        # ---- dV += Pᵀ dO ; dPᵀ = V dOᵀ ; dSᵀ = Pᵀ (dPᵀ - D) ; dK += dSᵀ Q
-        dv += tl.dot(p_t.to(do.dtype), do)
-        dp_t = tl.dot(v, tl.trans(do))
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk += tl.dot(ds_t.to(q.dtype), q)
+        dk, dv = _bwd_dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW, offs_n,
+                                d_mask, start_m, n_q, n_k, shift, win_left, win_right, qk_scale,
+                                MASKED=MASKED, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_M=BLOCK_M)
     return dk, dv
 
 
@@ -324,7 +343,8 @@ def _bwd_dkdv_kernel(
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lb, stride_lh,
     n_kv_heads, group, bh_start, n_q, n_k, d_head, qk_scale, sm_scale, win_left, win_right,
-    VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    GQA: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # grid axis 1 walks (batch, kv head) pairs; the group's query heads are summed in a fixed order below
     b, h_kv, q_start, n_q, k_start, n_k = _sequence(tl.program_id(1) + bh_start, n_kv_heads, CU_Q, CU_K, n_q, n_k,
@@ -346,22 +366,40 @@ def _bwd_dkdv_kernel(
 
     shift = n_k - n_q
     q_lo, full_lo, full_hi, q_hi = _query_ranges(start_n, n_q, n_k, win_left, win_right, BLOCK_M, BLOCK_N)
-    # ---- every query head of this kv head's group adds into the same dK, dV (sequential: deterministic)
-    for g in range(0, group):
-        h = h_kv * group + g
+    if not WINDOW:
+        # no right bound below n_q: the tail is only the ragged last query tile, whose padding rows add nothing
+        # (L = +inf there), so the unmasked loop takes it
+        full_hi = tl.maximum(q_hi, full_lo)
+    if GQA:
+        # ---- the group's query heads, one flattened loop over (head, query tile) in a fixed order
+        # (deterministic; nesting the pipelined tile loops inside a runtime head loop spills registers)
+        tiles = tl.cdiv(q_hi - q_lo, BLOCK_M)
+        for it in range(0, group * tiles):
+            h = h_kv * group + it // tiles
+            start_m = q_lo + (it % tiles) * BLOCK_M
+            row_lse = b * stride_lb + h * stride_lh + q_start
+            q_ptrs = Q + b * stride_qb + h * stride_qh + q_start * stride_qm + offs_d[None, :]
+            do_ptrs = DO + b * stride_dob + h * stride_doh + q_start * stride_dom + offs_d[None, :]
+            dk, dv = _bwd_dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE + row_lse,
+                                    DELTA + row_lse, offs_n, d_mask, start_m, n_q, n_k, shift, win_left, win_right,
+                                    qk_scale, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_M=BLOCK_M)
+    else:
+        # ---- one query head: masked head range, unmasked middle, masked tail
+        h = h_kv
         q_ptrs = Q + b * stride_qb + h * stride_qh + q_start * stride_qm + offs_d[None, :]
         do_ptrs = DO + b * stride_dob + h * stride_doh + q_start * stride_dom + offs_d[None, :]
         LSE_ROW = LSE + b * stride_lb + h * stride_lh + q_start  # this query head's row of L (and of D below)
         DELTA_ROW = DELTA + b * stride_lb + h * stride_lh + q_start
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW,
-                                 offs_n, offs_d, d_mask, q_lo, full_lo, n_q, n_k, shift, win_left, win_right,
-                                 qk_scale, MASKED=True, BLOCK_M=BLOCK_M)
+                                 offs_n, d_mask, q_lo, full_lo, n_q, n_k, shift, win_left, win_right,
+                                 qk_scale, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_M=BLOCK_M)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW,
-                                 offs_n, offs_d, d_mask, full_lo, full_hi, n_q, n_k, shift, win_left, win_right,
-                                 qk_scale, MASKED=False, BLOCK_M=BLOCK_M)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW,
-                                 offs_n, offs_d, d_mask, full_hi, q_hi, n_q, n_k, shift, win_left, win_right,
-                                 qk_scale, MASKED=True, BLOCK_M=BLOCK_M)
+                                 offs_n, d_mask, full_lo, full_hi, n_q, n_k, shift, win_left, win_right,
+                                 qk_scale, MASKED=False, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_M=BLOCK_M)
+        if WINDOW:
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW,
+                                     offs_n, d_mask, full_hi, q_hi, n_q, n_k, shift, win_left, win_right,
+                                     qk_scale, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_M=BLOCK_M)
 
     # ---- store; S was scaled by sm_scale, so dK picks it up once here
     dk = dk * sm_scale
@@ -374,7 +412,7 @@ def _bwd_dkdv_kernel(
 @triton.jit
 def _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask,
                   k_start, k_end, n_k, shift, win_left, win_right, qk_scale,
-                  MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
     """Fold key tiles ``[k_start, k_end)`` into dQ; padding keys load as zero and add nothing."""
     for start_n in range(k_start, k_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -386,7 +424,7 @@ def _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, o
         s = tl.dot(q, tl.trans(k)) * qk_scale
         p = tl.math.exp2(s - lse[:, None])
         if MASKED:
-            p = tl.where(_visible(offs_m, offs_n, n_k, shift, win_left, win_right), p, 0.0)
+            p = tl.where(_visible(offs_m, offs_n, n_k, shift, win_left, win_right, CAUSAL, WINDOW), p, 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
@@ -400,8 +438,8 @@ def _bwd_dq_kernel(
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
     stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh,
     n_heads, group, bh_start, n_q, n_k, d_head, qk_scale, sm_scale, win_left, win_right,
-    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b, h, q_start, n_q, k_start, n_k = _sequence(tl.program_id(1) + bh_start, n_heads, CU_Q, CU_K, n_q, n_k, VARLEN)
     start_m = _query_tile_start(tl.program_id(0), n_q, CAUSAL, BLOCK_M)
@@ -426,12 +464,16 @@ def _bwd_dq_kernel(
 
     shift = n_k - n_q
     key_lo, full_lo, full_hi, key_hi = _key_ranges(start_m, n_q, n_k, win_left, win_right, BLOCK_M, BLOCK_N)
+    if WINDOW:
+        dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask,
+                           key_lo, full_lo, n_k, shift, win_left, win_right, qk_scale, MASKED=True, CAUSAL=CAUSAL,
+                           WINDOW=WINDOW, BLOCK_N=BLOCK_N)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask,
-                       key_lo, full_lo, n_k, shift, win_left, win_right, qk_scale, MASKED=True, BLOCK_N=BLOCK_N)
+                       full_lo, full_hi, n_k, shift, win_left, win_right, qk_scale, MASKED=False, CAUSAL=CAUSAL,
+                       WINDOW=WINDOW, BLOCK_N=BLOCK_N)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask,
-                       full_lo, full_hi, n_k, shift, win_left, win_right, qk_scale, MASKED=False, BLOCK_N=BLOCK_N)
-    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask,
-                       full_hi, key_hi, n_k, shift, win_left, win_right, qk_scale, MASKED=True, BLOCK_N=BLOCK_N)
+                       full_hi, key_hi, n_k, shift, win_left, win_right, qk_scale, MASKED=True, CAUSAL=CAUSAL,
+                       WINDOW=WINDOW, BLOCK_N=BLOCK_N)
 
     dq = dq * sm_scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + rows_m * stride_dqm + offs_d[None, :],
@@ -510,10 +552,17 @@ def _as_4d(t: torch.Tensor, packed: bool) -> torch.Tensor:
 
 
 def _window(is_causal: bool, window: tuple[int, int], n_q: int, n_k: int) -> tuple[int, int]:
-    """Kernel window bounds: -1 (unbounded) becomes a bound no query reaches; causal caps the right side at 0."""
-    unbounded = n_q + n_k + 1
+    """Kernel window bounds: -1 (unbounded) becomes a bound no query tile reaches (2**30: past any sequence plus
+    any tile, still far from int32 overflow in the range arithmetic); causal caps the right side at 0."""
+    unbounded = 1 << 30
     left, right = (unbounded if w < 0 else int(w) for w in window)
     return left, (min(right, 0) if is_causal else right)
+
+
+def _has_window(is_causal: bool, window) -> bool:
+    """Whether a window bounds more than causality does (then the kernels compare both window edges)."""
+    left, right = window
+    return left >= 0 or (right >= 0 and not is_causal)
 
 
 #: Flash-decoding: at most this many queries per (batch, head), at least this many keys, before the keys are
@@ -562,7 +611,7 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
     win_left, win_right = _window(is_causal, window, n_q, n_k)
     cu_q = cu_seqlens_q if packed else lse  # (unused pointer for batches)
     cu_k = cu_seqlens_k if packed else lse
-    common = dict(CAUSAL=is_causal, VARLEN=packed, BLOCK_D=_block_d(d))
+    common = dict(CAUSAL=is_causal, WINDOW=_has_window(is_causal, window), VARLEN=packed, BLOCK_D=_block_d(d))
     args = lambda o_arg, lse_arg, o_strides, l_strides: (  # noqa: E731
         q4, k4, v4, o_arg, lse_arg, cu_q, cu_k, *_strides3(q4, packed), *_strides3(k4, packed),
         *_strides3(v4, packed), *o_strides, *l_strides)
@@ -620,8 +669,8 @@ def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale
     delta = torch.empty_like(lse)
     pre_m = 64
     block_m, block_n, warps, stages = _bwd_config(d, q.dtype, q.device)
-    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, VARLEN=packed, num_warps=warps,
-                 num_stages=stages)
+    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, VARLEN=packed, CAUSAL=is_causal,
+                 WINDOW=_has_window(is_causal, window), num_warps=warps, num_stages=stages)
     qk_scale = softmax_scale * LOG2E
     q_s, k_s, v_s, do_s = (_strides3(t, packed) for t in (q4, k4, v4, do4))
     for bh_start, n_bh in grid_axis1_launches(b * h):
@@ -633,12 +682,11 @@ def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale
         _bwd_dkdv_kernel[(triton.cdiv(n_k, block_n), n_bh)](
             q4, k4, v4, do4, lse, delta, dk4, dv4, cu_q, cu_k, *q_s, *k_s, *v_s, *do_s,
             *_strides3(dk4, packed), *_strides3(dv4, packed), *lse_strides,
-            h_kv, group, bh_start, n_q, n_k, d, qk_scale, softmax_scale, win_left, win_right, **tiles)
+            h_kv, group, bh_start, n_q, n_k, d, qk_scale, softmax_scale, win_left, win_right, GQA=group > 1, **tiles)
     for bh_start, n_bh in grid_axis1_launches(b * h):
         _bwd_dq_kernel[(triton.cdiv(n_q, block_m), n_bh)](
             q4, k4, v4, do4, lse, delta, dq4, cu_q, cu_k, *q_s, *k_s, *v_s, *do_s, *_strides3(dq4, packed),
-            *lse_strides, h, group, bh_start, n_q, n_k, d, qk_scale, softmax_scale, win_left, win_right,
-            CAUSAL=is_causal, **tiles)
+            *lse_strides, h, group, bh_start, n_q, n_k, d, qk_scale, softmax_scale, win_left, win_right, **tiles)
     return dq, dk, dv
 
 

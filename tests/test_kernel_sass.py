@@ -35,7 +35,9 @@ def test_every_kernel_is_covered(rows):
     kernels = {r["kernel"] for r in rows}
     assert kernels == {"rmsnorm.fwd", "rmsnorm.bwd", "rmsnorm.dw_reduce", "add_rmsnorm.fwd", "add_rmsnorm.bwd",
                        "swiglu.fwd", "swiglu.bwd", "rope.fwd", "cross_entropy.fwd+grad",
-                       "attention.fwd", "attention.bwd_preprocess", "attention.bwd_dkdv", "attention.bwd_dq"}
+                       "attention.fwd", "attention.bwd_preprocess", "attention.bwd_dkdv", "attention.bwd_dq",
+                       "attention.gqa_fwd", "attention.gqa_bwd_dkdv", "attention.varlen_fwd", "attention.window_fwd",
+                       "attention.decode_split", "attention.decode_combine"}
     assert {r["arch"] for r in rows} == {"sm_90", "sm_80"}
 
 
@@ -67,9 +69,12 @@ def test_elementwise_loads_are_vectorised(rows, arch):
 
 def test_attention_uses_tensor_cores(rows):
     for r in rows:
-        if r["kernel"] in ("attention.fwd", "attention.bwd_dkdv", "attention.bwd_dq"):
+        if r["kernel"] in ("attention.fwd", "attention.bwd_dkdv", "attention.bwd_dq", "attention.gqa_fwd",
+                           "attention.gqa_bwd_dkdv", "attention.varlen_fwd", "attention.window_fwd"):
             key = "HGMMA" if r["arch"] == "sm_90" else "HMMA"
             assert r["sass"].get(key, 0) > 0, r
+        if r["kernel"] == "attention.decode_split":  # 16-query tiles: mma (HMMA) on both targets
+            assert r["sass"].get("HMMA", 0) + r["sass"].get("HGMMA", 0) > 0, r
 
 
 def test_rows_carry_roofline_estimates(rows):

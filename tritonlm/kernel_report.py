@@ -117,7 +117,8 @@ def representative_launches(quick: bool = False, arch: str = "sm_90") -> list[La
 
     Elementwise ops: 4096 rows × hidden 768 / 4096 / 8192 (``quick``: 4096 only), bf16 and fp32
     (``quick``: bf16). Attention: batch 1 × 16 heads × seq 4096, d 64 / 128, causal, forward and each
-    backward kernel (``quick``: bf16 only).
+    backward kernel (``quick``: bf16 only); then, bf16 d 128, GQA forward and dK/dV, packed documents,
+    a sliding window, and split-KV decoding with its combine kernel.
     """
     import importlib
 
@@ -196,6 +197,35 @@ def representative_launches(quick: bool = False, arch: str = "sm_90") -> list[La
             out.append(_to_launch("attention.bwd_preprocess", case, calls[0]))
             out.append(_to_launch("attention.bwd_dkdv", case, calls[1], flops=8 * b * h * causal_pairs * d))
             out.append(_to_launch("attention.bwd_dq", case, calls[2], flops=6 * b * h * causal_pairs * d))
+    # attention variants, bf16 d 128: GQA 32 q heads on 8 kv heads (4K), packed documents (8 x 1K in 8K
+    # tokens), a 1K sliding window, and split-KV decoding of 1 query against a 32K cache (batch 4)
+    dtype, d = torch.bfloat16, 128
+    q = torch.empty(1, 32, 4096, d, dtype=dtype, device=meta)
+    kv = torch.empty(1, 8, 4096, d, dtype=dtype, device=meta)
+    lse = torch.empty(1, 32, 4096, dtype=torch.float32, device=meta)
+    pairs = 4096 * 4097 // 2
+    calls = calls_of(lambda: fa.flash_attention_forward(q, kv, kv, True, 0.1))
+    out.append(_to_launch("attention.gqa_fwd", "1x32(8kv)x4096x128 causal bf16", calls[0], flops=4 * 32 * pairs * d))
+    calls = calls_of(lambda: fa.flash_attention_backward(q, q, kv, kv, q, lse, True, 0.1))
+    out.append(_to_launch("attention.gqa_bwd_dkdv", "1x32(8kv)x4096x128 causal bf16", calls[1],
+                          flops=8 * 32 * pairs * d))
+    packed = torch.empty(8192, 16, d, dtype=dtype, device=meta)
+    cu = torch.empty(9, dtype=torch.int32, device=meta)
+    calls = calls_of(lambda: fa.flash_attention_forward(packed, packed, packed, True, 0.1, (-1, -1), cu, cu, 1024,
+                                                        1024))
+    out.append(_to_launch("attention.varlen_fwd", "8x1024 packed, 16 heads, d 128 causal bf16", calls[0],
+                          flops=4 * 16 * 8 * (1024 * 1025 // 2) * d))
+    calls = calls_of(lambda: fa.flash_attention_forward(q, q, q, True, 0.1, (1024, 0)))
+    out.append(_to_launch("attention.window_fwd", "1x32x4096x128 window 1024 bf16", calls[0],
+                          flops=4 * 32 * 4096 * 1025 * d))
+    q1 = torch.empty(4, 32, 1, d, dtype=dtype, device=meta)
+    cache = torch.empty(4, 8, 32768, d, dtype=dtype, device=meta)
+    calls = calls_of(lambda: fa.flash_attention_forward(q1, cache, cache, True, 0.1))
+    launch = _to_launch("attention.decode_split", "4x32(8kv) 1 query x 32768 cache bf16", calls[0],
+                        flops=4 * 4 * 32 * 32768 * d)
+    launch.bytes_moved = 2 * _nbytes(cache)  # K and V read once: the compulsory traffic
+    out.append(launch)
+    out.append(_to_launch("attention.decode_combine", "4x32 heads, 1 query", calls[1]))
     return out
 
 
