@@ -104,7 +104,8 @@ def main() -> int:
         if on_gpu:
             env_vars.pop("TRITON_INTERPRET", None)
         files = [str(REPO / "tests" / f"test_{name}.py")
-                 for name in ("rmsnorm", "rope", "swiglu", "flash_attention", "loss", "fused_model")]
+                 for name in ("rmsnorm", "rope", "swiglu", "flash_attention", "flash_attn_interface", "loss",
+                              "fused_model")]
         junit = out / "kernel_tests.xml"
         parallel = []
         import importlib.util
@@ -136,11 +137,13 @@ def main() -> int:
         section("kernel_tests", kernel_tests, min_left=120 if on_gpu else 20)
 
     # ---------------------------------------------------------------------------------------- ops
-    from ops_suite import attention_rows, loss_rows, op_rows, train_rows
+    from ops_suite import attention_rows, attention_variant_rows, loss_rows, op_rows, train_rows
 
     section("ops", lambda: {"rows": op_rows(device, copy_bw, smoke=not on_gpu, time_left=left)}, min_left=60)
     section("attention", lambda: {"rows": attention_rows(device, mm_peak, smoke=not on_gpu, time_left=left)},
             min_left=60)
+    section("attention_variants",
+            lambda: {"rows": attention_variant_rows(device, copy_bw, smoke=not on_gpu, time_left=left)}, min_left=60)
     section("lm_head_loss", lambda: {"rows": loss_rows(device, smoke=not on_gpu, time_left=left)}, min_left=60)
     section("train_step", lambda: {"rows": train_rows(device, smoke=not on_gpu, time_left=left)}, min_left=60)
 

@@ -265,3 +265,68 @@ def loss_rows(device, smoke=False, time_left=lambda: 1e9):
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def attention_variant_rows(device, copy_bw, smoke=False, time_left=lambda: 1e9):
+    """GQA vs MHA (same query heads) vs SDPA, packed documents vs the padded batch, and one-query decoding
+    against long caches (split-KV) with the bandwidth of reading the cache once."""
+    from tritonlm.kernels import FlashAttention, flash_attn_varlen_func
+
+    dtype = torch.float32 if smoke else torch.bfloat16
+    d, seq, (h_q, h_kv) = (16, 64, (4, 2)) if smoke else (128, 4096, (32, 8))
+    rows = []
+
+    def timed(name, case, fn, **info):
+        try:
+            ms = _ms(_time(fn, device, smoke))
+        except Exception as e:  # e.g. out of memory: the row says so, the rest still runs
+            rows.append({"group": name, "case": case, "error": repr(e)[:200]})
+            return
+        rows.append({"group": name, "case": case, "ms": ms, **{k: v(ms) if callable(v) else v for k, v in info.items()}})
+
+    # ---- GQA vs MHA with the same query heads, forward + backward
+    for impl, kv in (("tritonlm-gqa", h_kv), ("tritonlm-mha", h_q), ("sdpa-gqa", h_kv)):
+        q = torch.randn(2, h_q, seq, d, device=device, dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(2, kv, seq, d, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+        fn = (lambda q, k, v: TF.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)) \
+            if impl == "sdpa-gqa" else (lambda q, k, v: FlashAttention.apply(q, k, v, True))
+
+        def step(fn=fn, q=q, k=k, v=v):
+            out = fn(q, k, v)
+            out.backward(torch.ones_like(out))
+        timed("gqa", impl, step)
+    # ---- packed documents vs the padded batch of the same documents
+    lengths = [40, 1, 23] if smoke else [3000, 120, 1800, 900, 77, 1500, 700, 96]
+    total, longest = sum(lengths), max(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    packed = [torch.randn(total, h_q, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3)]
+    padded = [torch.randn(len(lengths), h_q, longest, d, device=device, dtype=dtype, requires_grad=True)
+              for _ in range(3)]
+
+    def varlen():
+        out = flash_attn_varlen_func(*packed, cu, cu, longest, longest, causal=True)
+        out.backward(torch.ones_like(out))
+
+    def padded_step():
+        out = FlashAttention.apply(*padded, True)
+        out.backward(torch.ones_like(out))
+    timed("varlen", "tritonlm-varlen", varlen)
+    timed("varlen", "tritonlm-padded", padded_step)
+    # ---- decoding: one query, long caches
+    for batch, cache in ([(1, 2100)] if smoke else [(1, 8192), (8, 8192), (1, 32768), (4, 32768)]):
+        if time_left() < 30:
+            break
+        q = torch.randn(batch, h_q, 1, d, device=device, dtype=dtype)
+        k, v = (torch.randn(batch, h_kv, cache, d, device=device, dtype=dtype) for _ in range(2))
+        nbytes = 2 * k.numel() * k.element_size()
+        for impl in ("tritonlm-split-kv", "sdpa"):
+            def dec(impl=impl, q=q, k=k, v=v):
+                with torch.no_grad():
+                    if impl == "sdpa":
+                        TF.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                    else:
+                        FlashAttention.apply(q, k, v, True)
+            timed("decode", f"{impl} b{batch} cache {cache}", dec,
+                  GBps=lambda ms, n=nbytes: n / ms / 1e6, pct_copy_bw=lambda ms, n=nbytes: 100 * n / ms / 1e6 * 1e9
+                  / copy_bw)
+    return rows

@@ -54,6 +54,18 @@ def verdicts(report) -> list[dict]:
             if pairs:
                 ratio = min(r[key] / o[key] for o, r in pairs)
                 add(f"attention {label} >= 1.0x SDPA flash", ratio >= 1.0, f"worst {ratio:.2f}x")
+    variants = {r["case"]: r for r in _rows(report, "attention_variants") if "error" not in r}
+    if "tritonlm-gqa" in variants and "tritonlm-mha" in variants:
+        s = variants["tritonlm-mha"]["ms"] / variants["tritonlm-gqa"]["ms"]
+        add("GQA fwd+bwd at the speed of MHA with the same query heads", s >= 0.95, f"{s:.2f}x MHA")
+    if "tritonlm-varlen" in variants and "tritonlm-padded" in variants:
+        s = variants["tritonlm-padded"]["ms"] / variants["tritonlm-varlen"]["ms"]
+        add("varlen no slower than the padded batch", s >= 1.0, f"{s:.2f}x padded")
+    decode = [r for c, r in variants.items() if c.startswith("tritonlm-split-kv")]
+    if decode:
+        worst = min(decode, key=lambda r: r["pct_copy_bw"])
+        add("split-KV decode >= 70% of the bandwidth to read the cache", worst["pct_copy_bw"] >= 70,
+            f"lowest {worst['pct_copy_bw']:.0f}% ({worst['case']})")
     loss = [r for r in _rows(report, "lm_head_loss") if "error" not in r]
     for shape in sorted({r["shape"] for r in loss}):
         by = {r["impl"]: r for r in loss if r["shape"] == shape}
@@ -144,6 +156,7 @@ def render_markdown(report) -> str:
           _table(report.get("verdicts", []), ["target", "verdict", "detail"])]
     for name, cols in (("kernel_tests", ["tests", "passed", "failed", "errored", "not run", "pytest exit code", "log"]), ("ops", ["op", "shape", "dtype", "impl", "mode", "ms", "GBps", "pct_copy_bw", "error"]),
                        ("attention", ["shape", "dtype", "impl", "fwd_ms", "fwd_bwd_ms", "fwd_TFLOPs", "fwd_bwd_TFLOPs", "fwd_pct_matmul_peak", "error"]),
+                       ("attention_variants", ["group", "case", "ms", "GBps", "pct_copy_bw", "error"]),
                        ("lm_head_loss", ["shape", "dtype", "impl", "fwd_bwd_ms", "peak_MiB", "error"]),
                        ("train_step", ["preset", "impl", "batch", "seq", "mean_s", "std_s", "tokens_per_s", "mfu", "train_TFLOPs", "peak_bytes", "error"]),
                        ("activation_memory", ["preset", "seq", "reference", "fused", "ratio"])):
