@@ -82,3 +82,23 @@ def test_rows_carry_roofline_estimates(rows):
         assert r["bytes_moved"] > 0 and r["roofline_us"]["H200"] <= r["roofline_us"]["H100"]
         if r["kernel"] in ("attention.fwd", "attention.bwd_dkdv", "attention.bwd_dq"):
             assert r["flops"] > 0
+
+
+def test_every_launch_fits_on_an_sm_and_reports_its_shared_memory(rows):
+    """Each row carries the dynamic shared memory its launch requests and the CTAs per SM that its registers and
+    shared memory allow; a kernel that fits no CTA on an SM would fail to launch."""
+    for r in rows:
+        assert r["dynamic_smem_bytes"] >= 0 and r["ctas_per_sm"] >= 1, r
+    # the attention forward keeps K/V pipeline buffers in shared memory
+    assert all(r["dynamic_smem_bytes"] > 0 for r in rows if r["kernel"] == "attention.fwd")
+
+
+def test_occupancy_rule_by_hand():
+    """CUDA's rules, worked by hand: 255 registers x 8 warps fill the 64K-register file (255·32 rounds up to
+    8192 per warp), so one CTA; 32 registers x 4 warps allow 16 by registers and 16 by threads (2048 / 128)."""
+    from tritonlm.kernel_report import ctas_per_sm
+
+    assert ctas_per_sm(90, 255, 8, 131072) == 1
+    assert ctas_per_sm(90, 32, 4, 0) == 16
+    assert ctas_per_sm(80, 128, 4, 100 * 1024) == 1  # 164 KB // (100 KB + 1 KB): shared memory decides
+    assert ctas_per_sm(80, 64, 4, 40 * 1024) == 4    # 164 // 41 = 4; registers would allow 8

@@ -312,16 +312,17 @@ def cmd_kernels(args) -> int:
     if args.json:
         print(json.dumps([r.to_dict() for r in rows], indent=1))
     else:
-        hdr = ["kernel", "case", "arch", "config", "regs", "smem", "spill", "SASS (tensor-core, LDG/STG by bits, async)",
-               "roofline µs H100/H200"]
+        hdr = ["kernel", "case", "arch", "config", "regs", "smem", "dyn smem", "CTAs/SM", "spill",
+               "SASS (tensor-core, LDG/STG by bits, async)", "roofline µs H100/H200"]
         table = []
         for r in rows:
             if r.error:
-                table.append([r.kernel, r.case, r.arch, r.config, "-", "-", "-", "COMPILE ERROR " + r.error, "-"])
+                table.append([r.kernel, r.case, r.arch, r.config, "-", "-", "-", "-", "-", "COMPILE ERROR " + r.error,
+                              "-"])
                 continue
             sass = " ".join(f"{k}:{v}" for k, v in r.sass.items() if k not in ("LDS", "STS"))
             table.append([r.kernel, r.case, r.arch, r.config, str(r.registers), str(r.shared_bytes),
-                          str(r.spill_bytes), sass, f"{r.roofline_us['H100']}/{r.roofline_us['H200']}"])
+                          str(r.dynamic_smem_bytes), str(r.ctas_per_sm), str(r.spill_bytes), sass, f"{r.roofline_us['H100']}/{r.roofline_us['H200']}"])
         print("static analysis of compiled kernels (not measured speed)")
         print(_table(table, hdr))
     if args.markdown:

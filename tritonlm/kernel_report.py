@@ -56,6 +56,8 @@ class Row:
     bytes_moved: int = 0
     flops: int = 0
     roofline_us: dict = field(default_factory=dict)
+    dynamic_smem_bytes: int = 0
+    ctas_per_sm: int = 0
     error: str | None = None
 
     def to_dict(self) -> dict:
@@ -313,7 +315,21 @@ def _compile_cached(fn, sig_items, const_items, attr_items, arch: int, num_warps
                               check=True).stdout
     finally:
         os.unlink(path)
-    return usage, sass
+    return usage, sass, int(compiled.metadata.shared)
+
+
+#: Per-SM limits for the occupancy estimate: (registers, shared memory bytes usable by CTAs, threads, CTAs)
+SM_LIMITS = {90: (65536, 228 * 1024, 2048, 32), 80: (65536, 164 * 1024, 2048, 32)}
+
+
+def ctas_per_sm(arch: int, registers: int, num_warps: int, smem_bytes: int) -> int:
+    """Resident CTAs per SM allowed by registers (allocated per warp in 256-register units), shared memory
+    (the launch's dynamic + static bytes, plus the 1 KB the driver reserves per CTA), threads and the CTA cap."""
+    regs_sm, smem_sm, threads_sm, cta_cap = SM_LIMITS[arch]
+    regs_per_warp = -(-registers * 32 // 256) * 256
+    by_regs = regs_sm // max(1, regs_per_warp * num_warps)
+    by_smem = smem_sm // (smem_bytes + 1024)
+    return max(0, min(by_regs, by_smem, threads_sm // (32 * num_warps), cta_cap))
 
 
 def analyze(launch: Launch, arch: str) -> Row:
@@ -327,7 +343,7 @@ def analyze(launch: Launch, arch: str) -> Row:
     sig, const, attrs = _specialise(launch)
     fn = launch.fn.fn if hasattr(launch.fn, "fn") and not hasattr(launch.fn, "params") else launch.fn
     try:
-        usage, sass = _compile_cached(fn, tuple(sig.items()), tuple(const.items()),
+        usage, sass, dynamic_smem = _compile_cached(fn, tuple(sig.items()), tuple(const.items()),
                                       tuple((k, tuple(tuple(x) for x in v)) for k, v in attrs.items()),
                                       ARCHS[arch], launch.num_warps, launch.num_stages)
     except Exception as e:  # a kernel that does not compile is a row with its error, and a failed test
@@ -338,6 +354,9 @@ def analyze(launch: Launch, arch: str) -> Row:
         # spilled registers live in the per-thread stack frame (STACK) or local memory (LOCAL)
         row.registers, row.shared_bytes = int(m.group(1)), int(m.group(3))
         row.spill_bytes = int(m.group(2)) + int(m.group(4))
+    # the dynamic shared memory a launch requests (pipelining buffers, layout conversions): Triton's own figure
+    row.dynamic_smem_bytes = dynamic_smem
+    row.ctas_per_sm = ctas_per_sm(ARCHS[arch], row.registers, launch.num_warps, dynamic_smem + row.shared_bytes)
     row.sass = _sass_counts(sass)
     return row
 
@@ -355,18 +374,20 @@ def format_markdown(rows: list[Row], title: str = "Kernel SASS report") -> str:
     lines = [f"# {title}", "",
              "Static analysis, not measured speed: each kernel compiled with `triton.compile` for the target at "
              "the configuration its launcher picks, specialised like the JIT (16-byte divisibility), and its "
-             "cubin read with `cuobjdump`. Regenerate with `tritonlm kernels --report --markdown "
+             "cubin read with `cuobjdump`. Dynamic smem is what each launch requests (Triton's metadata); CTAs/SM "
+             "is the occupancy those registers and shared memory allow (sm_90: 64K registers, 228 KB; sm_80: 64K, "
+             "164 KB; 1 KB reserved per CTA). Regenerate with `tritonlm kernels --report --markdown "
              "profiles/sass/REPORT.md`.", "",
              f"Triton {triton.__version__}, torch {torch.__version__}. Roofline: compulsory HBM bytes / bandwidth "
              "or FLOPs / 989 TFLOP/s, whichever is larger (H100 3.35 TB/s, H200 4.8 TB/s); attention FLOPs count "
              "the causal half.", "",
-             "| kernel | case | arch | config | regs | smem | spill (stack+local) | tensor-core | global loads | global stores "
-             "| async copies | roofline H100 / H200 (µs) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| kernel | case | arch | config | regs | smem (static) | dynamic smem | CTAs/SM | spill (stack+local) "
+             "| tensor-core | global loads | global stores | async copies | roofline H100 / H200 (µs) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.error:
             lines.append(f"| {r.kernel} | {r.case} | {r.arch} | {r.config} | **compile error**: {r.error} "
-                         "| | | | | | | |")
+                         "| | | | | | | | | |")
             continue
         tc = ", ".join(f"{k} {v}" for k, v in r.sass.items() if k in ("HGMMA", "HMMA")) or "-"
         ld = ", ".join(f"{k.split('.')[1]}b×{v}" for k, v in r.sass.items() if k.startswith("LDG.")) or "-"
@@ -375,5 +396,5 @@ def format_markdown(rows: list[Row], title: str = "Kernel SASS report") -> str:
         spill = f"{r.spill_bytes} B" + (f" (LDL {r.sass.get('LDL', 0)}, STL {r.sass.get('STL', 0)})"
                                        if r.spill_bytes else "")
         lines.append(f"| {r.kernel} | {r.case} | {r.arch} | {r.config} | {r.registers} | {r.shared_bytes} | "
-                     f"{spill} | {tc} | {ld} | {st} | {asy} | {r.roofline_us['H100']} / {r.roofline_us['H200']} |")
+                     f"{r.dynamic_smem_bytes} | {r.ctas_per_sm} | {spill} | {tc} | {ld} | {st} | {asy} | {r.roofline_us['H100']} / {r.roofline_us['H200']} |")
     return "\n".join(lines) + "\n"
