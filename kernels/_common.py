@@ -162,3 +162,18 @@ def install_interpreter_bf16_dot_shim() -> bool:
     create_dot._tritonlm_bf16_shim = True
     builder.create_dot = create_dot
     return True
+
+
+def first_order_backward(backward):
+    """Decorate an ``autograd.Function.backward`` written with kernels that have no backward of their own:
+    under ``create_graph=True`` (double backward, gradient penalties) it raises instead of returning gradients
+    that would silently miss their second-order terms. A plain backward runs as before (grad mode off)."""
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError(f"{type(ctx).__name__.removesuffix('Backward')}: double backward (create_graph=True) "
+                               "is not supported by the Triton kernels; use backend='reference' for higher-order "
+                               "gradients")
+        return backward(ctx, *grads)
+
+    return wrapper

@@ -27,7 +27,15 @@ import triton
 import triton.language as tl
 
 from ..profiling import kernel_range
-from ._common import as_rows, check_device, check_float, next_pow2, on_gpu, use_custom_op
+from ._common import (
+    as_rows,
+    check_device,
+    check_float,
+    first_order_backward,
+    next_pow2,
+    on_gpu,
+    use_custom_op,
+)
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -209,8 +217,8 @@ def check_targets(op: str, targets: torch.Tensor, n_vocab: int, ignore_index: in
     """Integer targets in ``[0, n_vocab)`` or equal to ``ignore_index`` (one host sync)."""
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
         raise TypeError(f"{op}: targets must be integer class ids, got {targets.dtype}")
-    if targets.numel() == 0 or targets.device.type == "meta":
-        return
+    if targets.numel() == 0 or targets.device.type == "meta" or torch.compiler.is_compiling():
+        return  # (no data, or a traced graph: no host sync inside torch.compile)
     bad = (targets != ignore_index) & ((targets < 0) | (targets >= n_vocab))
     if bool(bad.any()):
         value = int(targets[bad][0])
@@ -295,7 +303,7 @@ class CrossEntropyFunction(torch.autograd.Function):
                                                                               loss.shape)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_backward
     def backward(ctx, grad_loss, _grad_z):
         if ctx.reduction == "none":
             logits, targets = ctx.saved_tensors

@@ -41,6 +41,7 @@ from ._common import (
     as_4d,
     check_device,
     check_float,
+    first_order_backward,
     gpu_capability,
     grid_axis1_launches,
     next_pow2,
@@ -790,7 +791,7 @@ class FlashAttention(torch.autograd.Function):
         return o
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_backward
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         extra = ctx.extra

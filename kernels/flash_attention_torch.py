@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from ._common import first_order_backward
 from .flash_attention import check_attention_inputs
 
 TILE_Q = 16
@@ -76,6 +77,7 @@ class FlashAttentionTorch(torch.autograd.Function):
         return o.reshape(q_shape)
 
     @staticmethod
+    @first_order_backward
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         scale, is_causal = ctx.scale, ctx.is_causal

@@ -30,7 +30,7 @@ import torch
 import triton
 
 from ..profiling import kernel_range
-from ._common import check_device, check_float
+from ._common import check_device, check_float, first_order_backward
 from .cross_entropy import check_loss_options, check_targets, cross_entropy_rows, mean_scale, reduce_loss
 
 #: logits held at once: 16M (64 MiB in fp32); a chunk has at least CHUNK_MIN_ROWS tokens
@@ -192,7 +192,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                                                                               loss.shape)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_backward
     def backward(ctx, grad_loss, _grad_z):
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if ctx.reduction != "none":

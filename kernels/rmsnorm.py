@@ -22,7 +22,15 @@ import triton
 import triton.language as tl
 
 from ..profiling import kernel_range
-from ._common import as_rows, check_device, check_float, next_pow2, num_persistent_programs, use_custom_op
+from ._common import (
+    as_rows,
+    check_device,
+    check_float,
+    first_order_backward,
+    next_pow2,
+    num_persistent_programs,
+    use_custom_op,
+)
 
 MAX_FUSED_COLS = 8192   # widest row kept whole in registers (fp32: 8192 / (32 × 16 warps) = 16 per thread)
 CHUNK_COLS = 4096       # chunk width when a row is longer than that
@@ -308,6 +316,7 @@ class RMSNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order_backward
     def backward(ctx, dy: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
         bwd = _rms_norm_bwd_op if use_custom_op(x) else rms_norm_backward
@@ -363,7 +372,7 @@ class AddRMSNormFunction(torch.autograd.Function):
         return y, h
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_backward
     def backward(ctx, dy: torch.Tensor | None, dh: torch.Tensor | None):
         h, weight, rstd = ctx.saved_tensors
         if dy is None:  # y unused: only h's own gradient flows, to both inputs

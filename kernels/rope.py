@@ -25,7 +25,15 @@ import triton
 import triton.language as tl
 
 from ..profiling import kernel_range
-from ._common import as_4d, check_device, check_float, grid_axis1_launches, next_pow2, use_custom_op
+from ._common import (
+    as_4d,
+    check_device,
+    check_float,
+    first_order_backward,
+    grid_axis1_launches,
+    next_pow2,
+    use_custom_op,
+)
 
 TILE_ELEMENTS = 4096  # BLOCK_S × BLOCK_D per program
 
@@ -163,6 +171,7 @@ class RoPEFunction(torch.autograd.Function):
             return rope_forward(q, k, cos, sin, positions)
 
     @staticmethod
+    @first_order_backward
     def backward(ctx, dq_out, dk_out):
         cos, sin, positions = ctx.saved_tensors
         if ctx.has_k:

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..profiling import kernel_range
-from ._common import check_device, check_float, use_custom_op
+from ._common import check_device, check_float, first_order_backward, use_custom_op
 
 BLOCK = 1024
 
@@ -107,6 +107,7 @@ class SwiGLUGateFunction(torch.autograd.Function):
             return (_swiglu_fwd_op if use_custom_op(a) else swiglu_forward)(a, b)
 
     @staticmethod
+    @first_order_backward
     def backward(ctx, dh: torch.Tensor):
         a, b = ctx.saved_tensors
         with kernel_range("tritonlm::swiglu_bwd"):

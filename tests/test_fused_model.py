@@ -166,6 +166,18 @@ def test_torch_compile_fullgraph_traces_fused_model():
     torch.testing.assert_close(out, eager, atol=FP32_ATTENTION_TOL / 10, rtol=FP32_ATTENTION_TOL / 10)
     out.float().pow(2).mean().backward()
     assert all(p.grad is not None for p in fz.parameters())
+    # the fused loss (linear_cross_entropy and its custom ops) traces too, with the same value and gradients
+    targets = torch.randint(0, 97, (2, 21))
+    fz.zero_grad()
+    eager_loss = fz.loss(ids, targets, z_loss=1e-3)
+    eager_loss.backward()
+    want = [p.grad.clone() for p in fz.parameters()]
+    fz.zero_grad()
+    compiled_loss = compiled(ids, targets=targets, z_loss=1e-3)
+    compiled_loss.backward()
+    torch.testing.assert_close(compiled_loss, eager_loss, atol=1e-6, rtol=1e-6)
+    for p, g in zip(fz.parameters(), want):
+        torch.testing.assert_close(p.grad, g, atol=1e-6, rtol=1e-5)
 
 
 def _saved_bytes(module, x):

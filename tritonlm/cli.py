@@ -46,6 +46,8 @@ def cmd_accounting(args) -> int:
         raise CLIError(str(e)) from None
     if args.seq_len <= 0 or args.batch <= 0:
         raise CLIError("--seq-len and --batch must be positive")
+    if args.activations and any(n <= 0 for n in args.activation_seq_lens):
+        raise CLIError(f"--activation-seq-lens {args.activation_seq_lens}: every length must be positive")
     n = accounting.param_count(cfg)
     print(f"preset {args.preset}: vocab {cfg.vocab_size}, context {cfg.context_length}, d_model {cfg.d_model}, "
           f"layers {cfg.num_layers}, heads {cfg.num_heads} (kv heads {cfg.kv_heads}), d_ff {cfg.d_ff}")
@@ -122,6 +124,14 @@ def cmd_generate(args) -> int:
 
     from .train import TrainError, generate_text, load_for_generation
 
+    if args.max_new_tokens < 0:
+        raise CLIError(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
+    if not args.temperature >= 0:
+        raise CLIError(f"--temperature {args.temperature}: must be >= 0 (0 = greedy)")
+    if args.top_k is not None and args.top_k <= 0:
+        raise CLIError(f"--top-k {args.top_k}: must be positive")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise CLIError(f"--top-p {args.top_p}: must be in (0, 1]")
     try:
         model, tokenizer = load_for_generation(args.checkpoint, args.device, args.backend)
         t0 = time.perf_counter()

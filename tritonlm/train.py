@@ -158,7 +158,11 @@ def load_tokenizer(location):
     from .tokenizer import Tokenizer
 
     vocab, merges = find_tokenizer_files(location)
-    return Tokenizer.from_files(vocab, merges, SPECIAL_TOKENS)
+    try:
+        return Tokenizer.from_files(vocab, merges, SPECIAL_TOKENS)
+    except (ValueError, KeyError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
+        raise TrainError(f"tokenizer {vocab} / {merges} is not a GPT-2 vocab.json + merges.txt pair: "
+                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
 def prepare_data(cfg: TrainConfig, out: Path, vocab_size: int, say=print):
@@ -233,7 +237,12 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise TrainError(f"--device {name!r}: not a device (auto, cpu, cuda, cuda:N)") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise TrainError(f"--device {name!r}: only cpu and cuda devices are supported")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise TrainError(f"--device {name} asked for CUDA, but no CUDA device is available")
     return dev
@@ -272,10 +281,43 @@ def _autocast(device: torch.device, dtype: str):
     raise TrainError(f"--dtype must be auto, bf16 or fp32, got {dtype!r}")
 
 
+def check_config(cfg: TrainConfig) -> None:
+    """Every option that can be checked before any work, each failure one line naming the flag and value."""
+    def need(ok: bool, flag: str, value, rule: str):
+        if not ok:
+            raise TrainError(f"{flag} {value!r}: must be {rule}")
+
+    finite = lambda x: isinstance(x, (int, float)) and math.isfinite(x)  # noqa: E731
+    need(cfg.max_steps > 0, "--max-steps", cfg.max_steps, "positive")
+    need(cfg.batch_size > 0, "--batch-size", cfg.batch_size, "positive")
+    need(cfg.grad_accum > 0, "--grad-accum", cfg.grad_accum, "positive")
+    need(finite(cfg.lr) and cfg.lr > 0, "--lr", cfg.lr, "a positive number")
+    need(cfg.min_lr is None or (finite(cfg.min_lr) and 0 <= cfg.min_lr <= cfg.lr), "--min-lr", cfg.min_lr,
+         "between 0 and --lr")
+    need(cfg.warmup_steps is None or cfg.warmup_steps >= 0, "--warmup-steps", cfg.warmup_steps, ">= 0")
+    need(finite(cfg.weight_decay) and cfg.weight_decay >= 0, "--weight-decay", cfg.weight_decay, ">= 0")
+    need(finite(cfg.grad_clip) and cfg.grad_clip > 0, "--grad-clip", cfg.grad_clip, "a positive L2 norm")
+    need(all(finite(b) and 0 <= b < 1 for b in cfg.betas), "betas", cfg.betas, "in [0, 1)")
+    need(finite(cfg.z_loss) and cfg.z_loss >= 0, "--z-loss", cfg.z_loss, ">= 0")
+    need(finite(cfg.label_smoothing) and 0 <= cfg.label_smoothing <= 1, "--label-smoothing", cfg.label_smoothing,
+         "in [0, 1]")
+    need(cfg.log_every > 0, "--log-every", cfg.log_every, "positive")
+    need(cfg.eval_every >= 0, "--eval-every", cfg.eval_every, ">= 0 (0: only at the end)")
+    need(cfg.eval_batches > 0, "--eval-batches", cfg.eval_batches, "positive")
+    need(cfg.checkpoint_every >= 0, "--checkpoint-every", cfg.checkpoint_every, ">= 0 (0: only at the end)")
+    need(cfg.sample_tokens >= 0, "--sample-tokens", cfg.sample_tokens, ">= 0")
+    need(cfg.context_length is None or cfg.context_length > 0, "--context-length", cfg.context_length, "positive")
+    need(0 < cfg.val_fraction < 1, "val_fraction", cfg.val_fraction, "in (0, 1)")
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise TrainError(f"--out {out}: exists and is not a directory")
+
+
 def train(cfg: TrainConfig, say=print) -> dict:
     """Run the whole job; returns a summary dict (also written to ``out/summary.json``)."""
     from tqdm.auto import tqdm
 
+    check_config(cfg)
     device = resolve_device(cfg.device)
     dist_info = setup_distributed(device)
     if device.type == "cuda" and dist_info.world > 1:
@@ -292,12 +334,6 @@ def train(cfg: TrainConfig, say=print) -> dict:
         raise TrainError(str(e)) from None
     if cfg.context_length:
         mcfg = mcfg.replace(context_length=cfg.context_length)
-    if cfg.max_steps <= 0 or cfg.batch_size <= 0 or cfg.grad_accum <= 0:
-        raise TrainError("--max-steps, --batch-size and --grad-accum must be positive")
-    if not cfg.z_loss >= 0:
-        raise TrainError(f"--z-loss must be >= 0, got {cfg.z_loss}")
-    if not 0 <= cfg.label_smoothing <= 1:
-        raise TrainError(f"--label-smoothing must be in [0, 1], got {cfg.label_smoothing}")
     loss_options = dict(label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss)
 
     backend = runnable_backend(cfg.backend, device)  # fails before any data work, with the fix in the message
@@ -311,6 +347,8 @@ def train(cfg: TrainConfig, say=print) -> dict:
     if tokenizer is not None and tokenizer.vocab_size != mcfg.vocab_size:
         mcfg = mcfg.replace(vocab_size=tokenizer.vocab_size)
     max_id = int(tokens.max()) if len(tokens) else -1
+    if len(tokens) and np.issubdtype(tokens.dtype, np.signedinteger) and int(tokens.min()) < 0:
+        raise TrainError(f"data holds a negative token id ({int(tokens.min())}); token ids must be >= 0")
     if max_id >= mcfg.vocab_size:
         raise TrainError(f"data holds token id {max_id} but the model's vocab is {mcfg.vocab_size}")
     n_val = max(mcfg.context_length + 1, int(len(tokens) * cfg.val_fraction))
@@ -598,7 +636,13 @@ def load_for_generation(checkpoint_dir, device="auto", backend="auto"):
         raise TrainError(f"no checkpoint at {ckpt}")
     dev = resolve_device(device)
     backend = runnable_backend(backend, dev)
-    payload = read_checkpoint(ckpt, map_location=dev)
+    try:
+        payload = read_checkpoint(ckpt, map_location=dev)
+    except Exception as e:  # unpickling errors, truncated zip files, wrong formats: one line, the file named
+        raise TrainError(f"{ckpt}: not a readable checkpoint ({type(e).__name__})") from None
+    if not isinstance(payload, dict) or "model_config" not in payload or "model" not in payload:
+        raise TrainError(f"{ckpt}: has no model_config; generate needs a checkpoint written by `tritonlm train` "
+                         "(save_checkpoint() alone stores weights without the model's sizes)")
     mcfg = ModelConfig.from_dict(payload["model_config"])
     model = TransformerLM.from_config(mcfg, device=dev, backend=backend)
     model.load_state_dict(payload["model"])

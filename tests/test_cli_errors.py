@@ -1,0 +1,106 @@
+"""Bad input through the real console script: every case exits 2 with one line naming the bad value or file,
+no traceback, before any expensive work."""
+
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+_SCRIPT = Path(sys.executable).parent / "tritonlm"
+COMMAND = [str(_SCRIPT)] if _SCRIPT.exists() else ([shutil.which("tritonlm")] if shutil.which("tritonlm")
+                                                  else [sys.executable, "-m", "tritonlm.cli"])
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad")
+    (d / "a_file").write_text("not a directory")
+    bad_tok = d / "bad_tok"
+    bad_tok.mkdir()
+    (bad_tok / "vocab.json").write_text("{not json")
+    (bad_tok / "merges.txt").write_text("#version: 0.2\n")
+    text = d / "text.txt"
+    text.write_text("hello world. " * 200)
+    np.save(d / "neg.npy", np.array([1, 2, -3, 4] * 200, dtype=np.int64))
+    from tritonlm import TransformerLM
+    from tritonlm.checkpoint import save_checkpoint
+
+    save_checkpoint(TransformerLM(50, 8, 16, 1, 2, 32), None, 0, d / "bare.pt")
+    (d / "garbage.pt").write_bytes(b"\x00garbage" * 100)
+    return d
+
+
+CASES = [  # (argv with {d} for the fixture folder, text the one line must contain)
+    ("train --lr -1 --out {d}/o1", "--lr -1.0"),
+    ("train --weight-decay -1 --out {d}/o2", "--weight-decay -1.0"),
+    ("train --log-every 0 --out {d}/o3", "--log-every 0"),
+    ("train --eval-batches 0 --out {d}/o4", "--eval-batches 0"),
+    ("train --grad-clip -1 --out {d}/o5", "--grad-clip -1.0"),
+    ("train --z-loss -1 --out {d}/o6", "--z-loss -1.0"),
+    ("train --device banana --out {d}/o7", "--device 'banana'"),
+    ("train --out {d}/a_file", "not a directory"),
+    ("train --num-kv-heads 3 --out {d}/o8", "num_kv_heads"),
+    ("train --data {d}/text.txt --tokenizer {d}/bad_tok --out {d}/o9", "vocab.json"),
+    ("train --data {d}/neg.npy --out {d}/o10", "negative token id"),
+    ("generate --checkpoint {d}/bare.pt --prompt hi", "model_config"),
+    ("generate --checkpoint {d}/garbage.pt --prompt hi", "garbage.pt"),
+    ("generate --checkpoint {d}/bare.pt --prompt hi --top-p 2", "--top-p 2.0"),
+    ("generate --checkpoint {d}/bare.pt --prompt hi --max-new-tokens -1", "--max-new-tokens -1"),
+    ("accounting --activations --activation-seq-lens 0", "--activation-seq-lens"),
+    ("tokenize {d}/text.txt --tokenizer {d}/bad_tok --output {d}/t.npy", "vocab.json"),
+]
+
+
+def _run(argv):
+    return subprocess.run(COMMAND + argv, capture_output=True, text=True, timeout=300, cwd=REPO)
+
+
+def test_bad_inputs_exit_2_with_one_line(files):
+    argvs = [case.format(d=files).split() for case, _ in CASES]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(_run, argvs))
+    for (case, expected), r in zip(CASES, results):
+        err = r.stderr.strip()
+        assert r.returncode == 2, (case, r.returncode, err[-2000:])
+        assert "Traceback" not in err and err.count("\n") == 0, (case, err[-2000:])
+        assert expected in err, (case, err)
+    assert not (files / "o1").exists()  # refused before creating the run directory
+    assert torch.load(files / "bare.pt", weights_only=False)["iteration"] == 0  # the fixture is what it claims
+
+
+def test_double_backward_is_a_clear_error_for_every_kernel_function():
+    """The Triton backwards are first-order only: create_graph=True is refused up front instead of returning
+    gradients whose second-order terms would silently be missing (e.g. from a gradient penalty)."""
+    from tritonlm.kernels import (
+        FlashAttention,
+        FlashAttentionTorch,
+        add_rms_norm,
+        apply_rope,
+        cross_entropy,
+        linear_cross_entropy,
+        rms_norm,
+        swiglu_gate,
+    )
+
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.ones(8, requires_grad=True)
+    t = torch.tensor([0, 1, 2, 3])
+    q = torch.randn(1, 2, 5, 8, requires_grad=True)
+    outputs = {
+        "rms_norm": rms_norm(x, w), "add_rms_norm": add_rms_norm(x, x * 1.0, w)[0], "swiglu_gate": swiglu_gate(x, x),
+        "apply_rope": apply_rope(q), "FlashAttention": FlashAttention.apply(q, q, q, True),
+        "FlashAttentionTorch": FlashAttentionTorch.apply(q, q, q, True), "cross_entropy": cross_entropy(x, t),
+        "linear_cross_entropy": linear_cross_entropy(x, w[None].expand(3, 8).contiguous(), t % 3),
+    }
+    for name, out in outputs.items():
+        inputs = [x] if not name.startswith(("Flash", "apply")) else [q]
+        with pytest.raises(RuntimeError, match="double backward"):  # refused when the graph would be built
+            torch.autograd.grad(out.sum(), inputs, create_graph=True)
+        (grad,) = torch.autograd.grad(out.sum(), inputs)  # a plain backward still works
+        assert torch.isfinite(grad).all(), name
