@@ -378,3 +378,34 @@ def test_document_ids_from_end_of_text_and_document_mask_training(corpus, tmp_pa
     summary = train(_cfg(docs, tmp_path / "run", document_mask=True, max_steps=20), say=lines.append)
     assert any("--document-mask" in line for line in lines)
     assert summary["final_val_loss"] < summary["unigram_entropy"]
+
+
+def test_evaluation_runs_on_its_own_schedule(corpus, tmp_path):
+    """--eval-every 5 with --log-every 7: validation at steps 5 and 10 (the end), whatever the logging does."""
+    train(_cfg(corpus, tmp_path / "run", max_steps=10, log_every=7, eval_every=5, sample_tokens=0), say=lambda *a: None)
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in log if "val_loss" in e] == [5, 10]
+    assert [e["step"] for e in log if "loss" in e] == [7, 10]
+
+
+def test_bin_token_files_use_the_width_the_vocabulary_needs(tmp_path, corpus):
+    """A raw .bin has no dtype: uint16 for vocabularies up to 65,536 ids, uint32 beyond (ids above 65,535 kept)."""
+    rng = np.random.default_rng(0)
+    small = tmp_path / "small.bin"
+    rng.integers(0, 300, 4000).astype(np.uint16).tofile(small)
+    big = tmp_path / "big.bin"
+    ids = rng.integers(0, 70_000, 4000).astype(np.uint32)
+    ids[:10] = 69_999
+    ids.tofile(big)
+    train(_cfg(small, tmp_path / "s", max_steps=2, sample_tokens=0, eval_every=0), say=lambda *a: None)
+    cfg = _cfg(big, tmp_path / "b", max_steps=2, sample_tokens=0, eval_every=0)
+    cfg.model_overrides = {**cfg.model_overrides, "vocab_size": 70_000}
+    train(cfg, say=lambda *a: None)  # read as uint16 the ids would wrap below 65,536 and the run still "work"
+    from tritonlm.train import prepare_data
+
+    tokens, _, _ = prepare_data(cfg, tmp_path / "b", 70_000, say=lambda *a: None)
+    assert tokens.dtype == np.uint32 and int(tokens[:10].min()) == 69_999 and len(tokens) == 4000
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"\x01\x00\x02")
+    with pytest.raises(TrainError, match="whole number"):
+        train(_cfg(odd, tmp_path / "o", max_steps=2), say=lambda *a: None)

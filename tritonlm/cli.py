@@ -122,7 +122,7 @@ def cmd_train(args) -> int:
 def cmd_generate(args) -> int:
     import time
 
-    from .train import TrainError, generate_text, load_for_generation
+    from .train import TrainError, generate_ids, load_for_generation
 
     if args.max_new_tokens < 0:
         raise CLIError(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
@@ -135,13 +135,13 @@ def cmd_generate(args) -> int:
     try:
         model, tokenizer = load_for_generation(args.checkpoint, args.device, args.backend)
         t0 = time.perf_counter()
-        text = generate_text(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
-                             args.top_p, args.seed)
+        new_ids = generate_ids(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
+                               args.top_p, args.seed)
     except (TrainError, ValueError) as e:
         raise CLIError(str(e)) from None
     dt = time.perf_counter() - t0
-    print(args.prompt + text)
-    n = len(tokenizer.encode(text))
+    print(args.prompt + tokenizer.decode(new_ids))
+    n = len(new_ids)  # tokens generated, not a re-encoding of the decoded text
     print(f"\n[{n} tokens in {dt:.2f}s, {n / max(dt, 1e-9):.1f} tokens/s, backend {model.backend}, "
           f"KV cache on]", file=sys.stderr)
     return 0

@@ -12,6 +12,7 @@ and checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -185,7 +186,15 @@ def prepare_data(cfg: TrainConfig, out: Path, vocab_size: int, say=print):
             raise TrainError(f"data file is empty: {path}")
 
     if path.suffix in (".npy", ".bin"):
-        tokens = np.load(path, mmap_mode="r") if path.suffix == ".npy" else np.memmap(path, dtype=np.uint16, mode="r")
+        if path.suffix == ".npy":
+            tokens = np.load(path, mmap_mode="r")
+        else:
+            # raw .bin files carry no dtype: uint16 holds ids of vocabularies up to 65,536, larger ones need uint32
+            width = np.uint16 if vocab_size <= 1 << 16 else np.uint32
+            if path.stat().st_size % np.dtype(width).itemsize:
+                raise TrainError(f"{path}: {path.stat().st_size} bytes is not a whole number of "
+                                 f"{np.dtype(width).name} token ids (vocab {vocab_size})")
+            tokens = np.memmap(path, dtype=width, mode="r")
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise TrainError(f"{path} must be a flat integer token array")
         tok_dir = Path(cfg.tokenizer) if cfg.tokenizer else None
@@ -419,6 +428,8 @@ def train(cfg: TrainConfig, say=print) -> dict:
         else:
             optimizer.load_state_dict(optim_state)
         payload = None
+    # the DDP wrapper itself (also under torch.compile): gradient all-reduce skipped on all but the last micro-batch
+    ddp = train_model if isinstance(train_model, torch.nn.parallel.DistributedDataParallel) else None
     if cfg.compile:
         train_model = torch.compile(train_model)
     autocast, precision = _autocast(device, cfg.dtype)
@@ -498,8 +509,8 @@ def train(cfg: TrainConfig, say=print) -> dict:
             group["lr"] = lr
         for micro in range(cfg.grad_accum):
             x, y, extra = micro_batch(train_tokens, generator)
-            sync = micro == cfg.grad_accum - 1 or not isinstance(train_model, torch.nn.parallel.DistributedDataParallel)
-            with train_model.no_sync() if not sync else _null():
+            sync = micro == cfg.grad_accum - 1 or ddp is None
+            with ddp.no_sync() if not sync else contextlib.nullcontext():
                 with autocast:  # the loss comes out of forward (DDP/FSDP/compile see it); fused: no logits held
                     loss = train_model(x, targets=y, **extra, **loss_options) / cfg.grad_accum
                 loss.backward()
@@ -509,6 +520,12 @@ def train(cfg: TrainConfig, say=print) -> dict:
         optimizer.zero_grad(set_to_none=True)
         steps_since += 1
         done = step + 1
+        # evaluation runs on its own schedule (every --eval-every steps and at the end), whatever --log-every is
+        eval_now = bool(cfg.eval_every) and (done % cfg.eval_every == 0 or done == cfg.max_steps)
+        if eval_now:
+            val_loss = evaluate()
+        if eval_now and not (done % cfg.log_every == 0 or done == cfg.max_steps):
+            record({"step": done, "val_loss": val_loss, "val_ppl": math.exp(val_loss)})
         if done % cfg.log_every == 0 or done == cfg.max_steps:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -519,8 +536,7 @@ def train(cfg: TrainConfig, say=print) -> dict:
                      "tokens_per_s": tokens_per_step / dt, "step_s": dt}
             if peak:
                 entry["mfu"] = step_flops / dt / peak
-            if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.max_steps):
-                val_loss = evaluate()
+            if eval_now:
                 entry["val_loss"] = val_loss
                 entry["val_ppl"] = math.exp(val_loss)
             record(entry)
@@ -535,11 +551,12 @@ def train(cfg: TrainConfig, say=print) -> dict:
             checkpoint(done)
     bar.close()
     checkpoint(cfg.max_steps)
-    if val_loss is None:
+    if not cfg.eval_every:  # --eval-every 0: only at the end
         val_loss = evaluate()
 
     # ---- ranks agree? (DDP keeps replicas identical; report a checksum per rank)
-    summary = {"steps": cfg.max_steps, "final_train_loss": history[-1]["loss"] if history else None,
+    train_entries = [h for h in history if "loss" in h]
+    summary = {"steps": cfg.max_steps, "final_train_loss": train_entries[-1]["loss"] if train_entries else None,
                "final_val_loss": val_loss, "unigram_entropy": entropy, "out": str(out),
                "checkpoint": str(ckpt_path), "backend": model.backend, "device": str(device),
                "world_size": dist_info.world, "tokens_per_step": tokens_per_step}
@@ -551,7 +568,7 @@ def train(cfg: TrainConfig, say=print) -> dict:
         dist.all_gather(gathered, checksum)
         summary["rank_checksums"] = [float(c) for c in gathered]
     if main:
-        if history:
+        if train_entries:
             say(f"done: {cfg.max_steps} steps, train loss {summary['final_train_loss']:.3f}, "
                 f"val loss {val_loss:.3f} (perplexity {math.exp(val_loss):.1f}) vs unigram entropy "
                 f"{entropy:.3f} nats" + (" -- below it: the model uses context" if val_loss < entropy else ""))
@@ -572,14 +589,6 @@ def train(cfg: TrainConfig, say=print) -> dict:
     return summary
 
 
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def plot_loss(history: list[dict], path: Path, entropy: float | None = None) -> Path | None:
     """Loss curve PNG (train, validation, the unigram-entropy line); None when matplotlib is missing."""
     try:
@@ -592,7 +601,8 @@ def plot_loss(history: list[dict], path: Path, entropy: float | None = None) -> 
     if not history:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([h["step"] for h in history], [h["loss"] for h in history], label="train loss")
+    train = [h for h in history if "loss" in h]
+    ax.plot([h["step"] for h in train], [h["loss"] for h in train], label="train loss")
     val = [h for h in history if "val_loss" in h]
     if val:
         ax.plot([h["step"] for h in val], [h["val_loss"] for h in val], "o-", label="validation loss")
@@ -612,6 +622,12 @@ def plot_loss(history: list[dict], path: Path, entropy: float | None = None) -> 
 def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 1.0,
                   top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> str:
     """Continue ``prompt``; stops at ``<|endoftext|>``. Returns the new text only."""
+    return tokenizer.decode(generate_ids(model, tokenizer, prompt, max_new_tokens, temperature, top_k, top_p, seed))
+
+
+def generate_ids(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> list[int]:
+    """The new token ids after ``prompt`` (up to, not including, ``<|endoftext|>``)."""
     ids = tokenizer.encode(prompt)
     if not ids:
         raise TrainError("the prompt encodes to no tokens")
@@ -625,7 +641,7 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, temperatur
     new = out[len(ids):].tolist()
     if eos is not None and eos in new:
         new = new[:new.index(eos)]
-    return tokenizer.decode(new)
+    return new
 
 
 def load_for_generation(checkpoint_dir, device="auto", backend="auto"):
