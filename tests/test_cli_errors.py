@@ -33,6 +33,8 @@ def files(tmp_path_factory):
 
     save_checkpoint(TransformerLM(50, 8, 16, 1, 2, 32), None, 0, d / "bare.pt")
     (d / "garbage.pt").write_bytes(b"\x00garbage" * 100)
+    (d / "prev").mkdir()
+    (d / "prev" / "log.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
     return d
 
 
@@ -46,6 +48,8 @@ CASES = [  # (argv with {d} for the fixture folder, text the one line must conta
     ("train --device banana --out {d}/o7", "--device 'banana'"),
     ("train --out {d}/a_file", "not a directory"),
     ("train --num-kv-heads 3 --out {d}/o8", "num_kv_heads"),
+    ("train --out {d}/prev", "holds a previous run"),
+    ("train --out {d}/prev --resume --overwrite", "contradict"),
     ("train --data {d}/text.txt --tokenizer {d}/bad_tok --out {d}/o9", "vocab.json"),
     ("train --data {d}/neg.npy --out {d}/o10", "negative token id"),
     ("generate --checkpoint {d}/bare.pt --prompt hi", "model_config"),

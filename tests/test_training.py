@@ -409,3 +409,28 @@ def test_bin_token_files_use_the_width_the_vocabulary_needs(tmp_path, corpus):
     odd.write_bytes(b"\x01\x00\x02")
     with pytest.raises(TrainError, match="whole number"):
         train(_cfg(odd, tmp_path / "o", max_steps=2), say=lambda *a: None)
+
+
+def test_resume_truncates_the_log_and_keeps_a_finished_checkpoint(corpus, tmp_path):
+    run = tmp_path / "run"
+    train(_cfg(corpus, run, max_steps=4, log_every=1, eval_every=0, sample_tokens=0), say=lambda *a: None)
+    log = run / "log.jsonl"
+    # a crashed later run logged steps 5-6 but never saved them
+    log.write_text(log.read_text() + '{"step": 5, "loss": 99.0}\n{"step": 6, "loss": 99.0}\n')
+    before = (run / "checkpoint.pt").read_bytes()
+    with pytest.raises(TrainError, match="step 4 already"):
+        train(_cfg(corpus, run, max_steps=3, resume=True, sample_tokens=0), say=lambda *a: None)
+    assert (run / "checkpoint.pt").read_bytes() == before  # untouched
+    with pytest.raises(TrainError, match="previous run"):
+        train(_cfg(corpus, run, max_steps=6, sample_tokens=0), say=lambda *a: None)
+    train(_cfg(corpus, run, max_steps=6, log_every=1, eval_every=0, resume=True, sample_tokens=0),
+          say=lambda *a: None)
+    steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert all(json.loads(line)["loss"] < 99 for line in log.read_text().splitlines())
+    other = tmp_path / "other.txt"
+    other.write_text(corpus.read_text() + "\nmore text.")
+    with pytest.raises(TrainError, match="tokenizer in .* was trained on other data"):
+        train(_cfg(other, run, max_steps=8, resume=True, sample_tokens=0), say=lambda *a: None)
+    train(_cfg(corpus, run, max_steps=7, overwrite=True, eval_every=0, sample_tokens=0), say=lambda *a: None)
+    assert len(log.read_text().splitlines()) == 2  # started over: log_every 5 -> steps 5 and 7

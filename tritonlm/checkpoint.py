@@ -24,7 +24,10 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Every generator's state as tensors and plain Python values (loadable with ``weights_only=True``)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = (kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss), float(cached))
+    state = {"torch": torch.get_rng_state(), "numpy": numpy_state, "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -32,7 +35,8 @@ def rng_state() -> dict:
 
 def restore_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -73,8 +77,32 @@ def save_checkpoint(model: torch.nn.Module | None, optimizer: torch.optim.Optimi
 
 
 def read_checkpoint(src, map_location="cpu") -> dict:
-    """The whole checkpoint dictionary."""
-    return torch.load(src, map_location=map_location, weights_only=False)
+    """The whole checkpoint dictionary, unpickled with ``weights_only=True``: tensors, containers and plain
+    values only, never arbitrary objects (checkpoints of earlier versions held numpy's RNG state, whose array
+    reconstruction is the one thing allowed besides)."""
+    core = getattr(np, "_core", None) or np.core  # numpy 2 renamed numpy.core
+    allowed = [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    safe = getattr(torch.serialization, "safe_globals", None)
+    if safe is None:  # torch 2.4: a process-wide allow-list
+        torch.serialization.add_safe_globals(allowed)
+        return torch.load(src, map_location=map_location, weights_only=True)
+    with safe(allowed):
+        return torch.load(src, map_location=map_location, weights_only=True)
+
+
+def write_text_atomic(path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: readers see the old or the new file,
+    never half of one."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def load_checkpoint(src, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:

@@ -106,7 +106,7 @@ def cmd_train(args) -> int:
         max_steps=args.max_steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
         min_lr=args.min_lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, z_loss=args.z_loss, label_smoothing=args.label_smoothing,
-        document_mask=args.document_mask,
+        document_mask=args.document_mask, overwrite=args.overwrite,
         eval_every=args.eval_every, eval_batches=args.eval_batches,
         log_every=args.log_every, checkpoint_every=args.checkpoint_every, out=args.out, backend=args.backend,
         device=args.device, dtype=args.dtype, compile=args.compile, fsdp=args.fsdp, seed=args.seed,
@@ -409,6 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 fully_shard (under torchrun)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in an --out that holds a previous run (otherwise refused)")
     p.add_argument("--prompt", default="The", help="prompt for the sample printed at the end")
     p.add_argument("--sample-tokens", type=int, default=120, help="tokens to sample at the end (0: none)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")

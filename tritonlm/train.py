@@ -18,7 +18,9 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +36,7 @@ from .checkpoint import (
     restore_rng_state,
     save_checkpoint,
     unwrap,
+    write_text_atomic,
 )
 from .config import ModelConfig
 from .data import batch_at, document_ids, sample_starts
@@ -77,6 +80,7 @@ class TrainConfig:
     fsdp: bool = False
     seed: int = 0
     resume: bool = False
+    overwrite: bool = False
     val_fraction: float = 0.05
     sample_prompt: str = "The"
     sample_tokens: int = 120
@@ -175,7 +179,7 @@ def prepare_data(cfg: TrainConfig, out: Path, vocab_size: int, say=print):
     if cfg.data is None:
         path = data_dir / "default_corpus.txt"
         if not path.exists():
-            path.write_text(default_corpus_text(), encoding="utf-8")
+            write_text_atomic(path, default_corpus_text())
         say(f"data: no --data given, using the embedded default corpus (Python's pydoc_data.topics, "
             f"{path.stat().st_size / 1e6:.2f} MB) -> {path}")
     else:
@@ -214,12 +218,22 @@ def prepare_data(cfg: TrainConfig, out: Path, vocab_size: int, say=print):
             tokenizer = load_tokenizer(tok_dir)
             say(f"tokenizer: reusing {tok_dir} (trained on this data, vocab {vocab_size})")
         else:
+            if cfg.resume and tok_dir.exists():
+                raise TrainError(f"--resume: the tokenizer in {tok_dir} was trained on other data or another vocab "
+                                 "size; pass the first run's --data and sizes (it is never retrained in place)")
             t0 = time.perf_counter()
             vocab, merges = train_bpe(path, vocab_size, SPECIAL_TOKENS, progress=cfg.progress)
             tokenizer = Tokenizer(vocab, merges, SPECIAL_TOKENS)
+            # written beside the old files and renamed over them: a crash never leaves half a tokenizer
             tok_dir.mkdir(parents=True, exist_ok=True)
-            tokenizer.save(tok_dir / "vocab.json", tok_dir / "merges.txt")
-            stamp.write_text(json.dumps(source))
+            staging = Path(tempfile.mkdtemp(prefix=".tokenizer.", dir=tok_dir))
+            try:
+                tokenizer.save(staging / "vocab.json", staging / "merges.txt")
+                for name in ("vocab.json", "merges.txt"):
+                    os.replace(staging / name, tok_dir / name)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+            write_text_atomic(stamp, json.dumps(source))
             say(f"tokenizer: trained byte-level BPE, vocab {vocab_size}, in {time.perf_counter() - t0:.1f}s "
                 f"-> {tok_dir}")
     # the cache is keyed by the text file and by the tokenizer's own files, so either changing re-encodes
@@ -235,7 +249,10 @@ def prepare_data(cfg: TrainConfig, out: Path, vocab_size: int, say=print):
 
 def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
     """Entropy (nats) of the empirical token distribution: the loss of the best context-free model."""
-    counts = np.bincount(np.asarray(tokens), minlength=vocab_size).astype(np.float64)
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for start in range(0, len(tokens), 1 << 22):  # 4M tokens at a time: no 8-byte copy of the whole file
+        counts += np.bincount(np.asarray(tokens[start:start + (1 << 22)]), minlength=vocab_size)[:vocab_size]
+    counts = counts.astype(np.float64)
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
 
@@ -320,6 +337,12 @@ def check_config(cfg: TrainConfig) -> None:
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise TrainError(f"--out {out}: exists and is not a directory")
+    if cfg.resume and cfg.overwrite:
+        raise TrainError("--resume and --overwrite contradict each other: continue the run, or start it over")
+    previous = [name for name in (CHECKPOINT_NAME, "log.jsonl") if (out / name).exists()]
+    if previous and not (cfg.resume or cfg.overwrite):
+        raise TrainError(f"--out {out} holds a previous run ({', '.join(previous)}); pass --resume to continue it "
+                         "or --overwrite to start over")
 
 
 def train(cfg: TrainConfig, say=print) -> dict:
@@ -353,6 +376,10 @@ def train(cfg: TrainConfig, say=print) -> dict:
     tokens, tokenizer, tok_dir = prepare_data(cfg, out, mcfg.vocab_size, say)
     if dist_info.world > 1 and main:
         torch.distributed.barrier()
+    # what a checkpoint was trained on, so that --resume can refuse other data or another tokenizer
+    data_fp = _fingerprint(Path(cfg.data) if cfg.data else out / "data" / "default_corpus.txt")
+    tok_fp = (hashlib.sha1(b"".join(p.read_bytes() for p in find_tokenizer_files(tok_dir))).hexdigest()[:12]
+              if tok_dir else None)
     if tokenizer is not None and tokenizer.vocab_size != mcfg.vocab_size:
         mcfg = mcfg.replace(vocab_size=tokenizer.vocab_size)
     max_id = int(tokens.max()) if len(tokens) else -1
@@ -393,8 +420,15 @@ def train(cfg: TrainConfig, say=print) -> dict:
             raise TrainError(f"--resume: {ckpt_path} was trained with a different model ("
                              + ", ".join(f"{k} {a} vs {b} now" for k, (a, b) in diff.items())
                              + "); pass the same --preset/--data/size flags as the first run")
+        for key, now, what in (("data_fingerprint", data_fp, "--data"), ("tokenizer_fingerprint", tok_fp, "tokenizer")):
+            if payload.get(key) is not None and payload[key] != now:
+                raise TrainError(f"--resume: {ckpt_path} was trained on another {what} ({payload[key]} vs {now} now); "
+                                 "pass the first run's --data/--tokenizer")
         model.load_state_dict(payload["model"])  # full weights, before any sharding
         start_step = int(payload["iteration"])
+        if start_step >= cfg.max_steps:
+            raise TrainError(f"--resume: {ckpt_path} is at step {start_step} already, not before --max-steps "
+                             f"{cfg.max_steps}; raise --max-steps to train further (the checkpoint is kept as is)")
         restore_rng_state(payload["rng"])
         generator.set_state(payload["generator"])
         say(f"resume: from step {start_step} of {ckpt_path}")
@@ -468,6 +502,11 @@ def train(cfg: TrainConfig, say=print) -> dict:
         return float(_all_mean(total / cfg.eval_batches, dist_info))
 
     log_path = out / "log.jsonl"
+    if main and cfg.resume and log_path.exists():
+        # entries past the checkpoint were logged by a run that did not save them: drop them, the rerun logs anew
+        kept = [line for line in log_path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= start_step]
+        write_text_atomic(log_path, "".join(line + "\n" for line in kept))
     log = open(log_path, "a" if cfg.resume else "w") if main else None
     history = []
 
@@ -479,7 +518,8 @@ def train(cfg: TrainConfig, say=print) -> dict:
 
     def checkpoint(step: int):
         extra = dict(model_config=mcfg.to_dict(), train_config=cfg.to_dict(), generator=generator.get_state(),
-                     tokenizer=str(tok_dir.resolve()) if tok_dir else None)
+                     tokenizer=str(tok_dir.resolve()) if tok_dir else None, data_fingerprint=data_fp,
+                     tokenizer_fingerprint=tok_fp)
         if cfg.fsdp:
             # every rank takes part in gathering full (unsharded) weights and optimizer state; rank 0 writes
             from torch.distributed.checkpoint.state_dict import (
