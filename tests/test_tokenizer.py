@@ -219,3 +219,75 @@ def test_streaming_with_default_buffering_equals_encode(gpt2, shared_data):
         assert list(gpt2.encode_iterable(lines)) == gpt2.encode(text)
     finally:
         T.STREAM_BUFFER_CHARS = saved
+
+
+# ----------------------------------------------------------------------------------------------------
+# worst cases: very long pre-tokens, surrogates, special tokens that round-trip
+# ----------------------------------------------------------------------------------------------------
+def _naive_bpe(tok, piece: str) -> list[int]:
+    """Textbook BPE on one pre-token: repeatedly merge the lowest-rank adjacent pair (leftmost), from scratch."""
+    parts = [bytes([b]) for b in piece.encode("utf-8")]
+    rank = {pair: r for r, pair in enumerate(tok.merges)}
+    while True:
+        pairs = [(rank[(a, b)], i) for i, (a, b) in enumerate(zip(parts, parts[1:])) if (a, b) in rank]
+        if not pairs:
+            break
+        _, i = min(pairs)
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+    return [tok._id_of[p] for p in parts]
+
+
+@pytest.fixture(scope="module")
+def small_tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "t.txt"
+    path.write_text(("the quick brown fox jumps over the lazy dog xxxx yyyy aaaa abab " * 60
+                     + "QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVo0NTY3ODkrLw== " * 30))
+    vocab, merges = train_bpe(path, 420, ["<|endoftext|>"])
+    return Tokenizer(vocab, merges, ["<|endoftext|>"])
+
+
+def test_long_pieces_heap_merge_equals_textbook_bpe(small_tokenizer):
+    """Pre-tokens over LONG_PIECE_BYTES take the heap merge; it must equal the from-scratch algorithm."""
+    from tritonlm import tokenizer as T
+
+    rng = random.Random(0)
+    alphabet = "xyabQUJDREVG0123=+/ "
+    for n in (T.LONG_PIECE_BYTES + 1, 100, 333, 1000):
+        piece = "".join(rng.choice(alphabet.strip()) for _ in range(n))
+        assert list(small_tokenizer._bpe(piece)) == _naive_bpe(small_tokenizer, piece)
+    assert list(small_tokenizer._bpe("x" * 5000)) == _naive_bpe(small_tokenizer, "x" * 5000)
+
+
+def test_very_long_pretokens_match_tiktoken(gpt2, tiktoken_gpt2):
+    """80K 'x' (one pre-token) and base64 / minified lines: equal to tiktoken (quadratic merging took 36 s)."""
+    import base64
+
+    rng = random.Random(1)
+    blob = base64.b64encode(bytes(rng.randrange(256) for _ in range(30_000))).decode()
+    minified = "var a=function(b){return b*2};" * 500
+    for text in ("x" * 80_000, blob, minified):
+        assert gpt2.encode(text) == tiktoken_gpt2.encode(text)
+
+
+def test_surrogates_handled_like_tiktoken(gpt2, tiktoken_gpt2):
+    for text in ("a\ud800b", "\ud83d\ude00 ok", "end \udfff"):
+        assert gpt2.encode(text) == tiktoken_gpt2.encode(text)
+    assert gpt2.encode("\ud83d\ude00") == gpt2.encode("😀")  # a valid pair is its character
+
+
+def test_special_tokens_with_latin1_characters_survive_save_and_reload(small_tokenizer, tmp_path):
+    specials = ["<|endoftext|>", "<|café|>", "«sep»"]
+    tok = Tokenizer(small_tokenizer.vocab, small_tokenizer.merges, specials)
+    tok.save(tmp_path / "vocab.json", tmp_path / "merges.txt")
+    again = Tokenizer.from_files(tmp_path / "vocab.json", tmp_path / "merges.txt", specials)
+    assert again._special_ids == tok._special_ids and len(again) == len(tok)
+    text = "the fox<|café|>«sep» lazy dog<|endoftext|>"
+    assert again.encode(text) == tok.encode(text) and again.decode(again.encode(text)) == text
+
+
+def test_empty_and_duplicate_special_tokens(small_tokenizer):
+    with pytest.raises(ValueError, match="non-empty"):
+        Tokenizer(small_tokenizer.vocab, small_tokenizer.merges, ["<|endoftext|>", ""])
+    with pytest.warns(UserWarning, match="duplicate special tokens removed"):
+        tok = Tokenizer(small_tokenizer.vocab, small_tokenizer.merges, ["<|a|>", "<|a|>"])
+    assert tok.special_tokens == ["<|a|>"]

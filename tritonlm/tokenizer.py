@@ -18,6 +18,7 @@ import heapq
 import json
 import os
 import re
+import warnings
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from itertools import chain, repeat
@@ -331,6 +332,15 @@ def _from_unicode(text: str) -> bytes:
 # ----------------------------------------------------------------------------------------------------
 # encoder
 # ----------------------------------------------------------------------------------------------------
+#: Pre-tokens longer than this many bytes take the heap merge (:meth:`Tokenizer._bpe_long`); shorter ones the
+#: list scan, whose constant factor wins at the lengths real words have.
+LONG_PIECE_BYTES = 64
+
+
+def _fix_surrogates(text: str) -> str:
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 class _PieceCache(dict):
     """pre-token -> token ids; a miss runs BPE. Bounded: when full it starts over (frequent pre-tokens come
     straight back), so memory stays capped whatever the input."""
@@ -362,7 +372,13 @@ class Tokenizer:
     def __init__(self, vocab: Vocab, merges: Merges, special_tokens: list[str] | None = None):
         self.vocab: Vocab = dict(vocab)
         self.merges: Merges = list(merges)
-        self.special_tokens = list(dict.fromkeys(special_tokens or []))
+        given = list(special_tokens or [])
+        if any(not isinstance(t, str) or not t for t in given):
+            raise ValueError(f"special tokens must be non-empty strings, got {given!r}")
+        self.special_tokens = list(dict.fromkeys(given))
+        if len(self.special_tokens) != len(given):
+            dupes = sorted({t for t in given if given.count(t) > 1})
+            warnings.warn(f"duplicate special tokens removed: {dupes}", stacklevel=2)
         self._id_of: dict[bytes, int] = {}
         for i, tok in self.vocab.items():
             self._id_of.setdefault(tok, i)
@@ -395,7 +411,10 @@ class Tokenizer:
         """Load GPT-2's ``vocab.json`` (token string -> id) and ``merges.txt`` (one ``a b`` per line)."""
         with open(vocab_path, encoding="utf-8") as f:
             raw_vocab = json.load(f)
-        vocab = {int(i): _from_unicode(tok) for tok, i in raw_vocab.items()}
+        # special tokens are stored as their own text (save() writes them so), not byte-mapped: a special token
+        # with characters in U+00A1-U+00FF would otherwise come back as different bytes and a new id
+        specials = set(special_tokens or [])
+        vocab = {int(i): (tok.encode("utf-8") if tok in specials else _from_unicode(tok)) for tok, i in raw_vocab.items()}
         merges: Merges = []
         with open(merges_path, encoding="utf-8") as f:
             for line in f:
@@ -430,6 +449,8 @@ class Tokenizer:
         ids = list(map(self._byte_ids.__getitem__, piece.encode("utf-8")))
         if len(ids) < 2:
             return tuple(ids)
+        if len(ids) > LONG_PIECE_BYTES:
+            return self._bpe_long(ids)
         ranks, none = self._ranks, _NO_MERGE
         pair_ranks = list(map(ranks.get, zip(ids, ids[1:]), repeat(none)))
         while pair_ranks:
@@ -446,6 +467,37 @@ class Tokenizer:
                 pair_ranks[i - 1] = ranks.get((ids[i - 1], ids[i]), none)
         return tuple(ids)
 
+    def _bpe_long(self, ids: list[int]) -> tuple[int, ...]:
+        """The same merges in O(n log n) for long pre-tokens (minified code, base64, 80K 'x's): a heap of
+        (rank, position) pairs over a linked list of symbols. Entries made stale by a neighbouring merge are
+        recognised on pop (the pair at that position no longer has that rank) and skipped."""
+        ranks, n = self._ranks, len(ids)
+        nxt = list(range(1, n)) + [-1]
+        prv = list(range(-1, n - 1))
+        heap = [(r, i) for i, r in enumerate(map(ranks.get, zip(ids, ids[1:]))) if r is not None]
+        heapq.heapify(heap)
+        while heap:
+            r, i = heapq.heappop(heap)
+            j = nxt[i]
+            if j < 0 or ranks.get((ids[i], ids[j])) != r:
+                continue  # stale: i was merged away, or its right neighbour changed
+            # ---- merge symbol j into i and unlink j
+            ids[i] = r & _ID_MASK
+            ids[j] = -1
+            k = nxt[j]
+            nxt[i] = k
+            if k >= 0:
+                prv[k] = i
+                r_right = ranks.get((ids[i], ids[k]))
+                if r_right is not None:
+                    heapq.heappush(heap, (r_right, i))
+            h = prv[i]
+            if h >= 0:
+                r_left = ranks.get((ids[h], ids[i]))
+                if r_left is not None:
+                    heapq.heappush(heap, (r_left, h))
+        return tuple(t for t in ids if t >= 0)
+
     @staticmethod
     def _encode_ordinary(text: str, out: list[int], cache: _PieceCache) -> None:
         # the lookups run in C (map over the cache's __getitem__); only unseen pre-tokens reach Python
@@ -455,7 +507,12 @@ class Tokenizer:
         """Token ids of ``text`` (special tokens become their single ids)."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects str, got {type(text).__name__}")
-        return self._encode_with(text, self._cache)
+        try:
+            return self._encode_with(text, self._cache)
+        except UnicodeEncodeError:
+            # surrogates (not encodable as UTF-8), as tiktoken handles them: a valid pair becomes its character,
+            # a lone one U+FFFD
+            return self._encode_with(_fix_surrogates(text), self._cache)
 
     def _encode_with(self, text: str, cache: _PieceCache) -> list[int]:
         out: list[int] = []
