@@ -240,8 +240,8 @@ def _naive_bpe(tok, piece: str) -> list[int]:
 @pytest.fixture(scope="module")
 def small_tokenizer(tmp_path_factory):
     path = tmp_path_factory.mktemp("tok") / "t.txt"
-    path.write_text(("the quick brown fox jumps over the lazy dog xxxx yyyy aaaa abab " * 60
-                     + "QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVo0NTY3ODkrLw== " * 30))
+    path.write_text("the quick brown fox jumps over the lazy dog xxxx yyyy aaaa abab " * 60
+                     + "QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVo0NTY3ODkrLw== " * 30)
     vocab, merges = train_bpe(path, 420, ["<|endoftext|>"])
     return Tokenizer(vocab, merges, ["<|endoftext|>"])
 
