@@ -33,6 +33,7 @@ def files(tmp_path_factory):
 
     save_checkpoint(TransformerLM(50, 8, 16, 1, 2, 32), None, 0, d / "bare.pt")
     (d / "garbage.pt").write_bytes(b"\x00garbage" * 100)
+    (d / "latin1.txt").write_bytes("café au lait ".encode() * 50 + b"caf\xe9 " + b"tail " * 10)
     (d / "prev").mkdir()
     (d / "prev" / "log.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
     return d
@@ -49,6 +50,8 @@ CASES = [  # (argv with {d} for the fixture folder, text the one line must conta
     ("train --out {d}/a_file", "not a directory"),
     ("train --num-kv-heads 3 --out {d}/o8", "num_kv_heads"),
     ("train --out {d}/prev", "holds a previous run"),
+    ("train --data {d}/latin1.txt --out {d}/o11", "not valid UTF-8 at byte 703"),
+    ("tokenize {d}/latin1.txt --vocab-size 300 --out {d}/t", "not valid UTF-8 at byte 703"),
     ("train --out {d}/prev --resume --overwrite", "contradict"),
     ("train --data {d}/text.txt --tokenizer {d}/bad_tok --out {d}/o9", "vocab.json"),
     ("train --data {d}/neg.npy --out {d}/o10", "negative token id"),
@@ -108,3 +111,36 @@ def test_double_backward_is_a_clear_error_for_every_kernel_function():
             torch.autograd.grad(out.sum(), inputs, create_graph=True)
         (grad,) = torch.autograd.grad(out.sum(), inputs)  # a plain backward still works
         assert torch.isfinite(grad).all(), name
+
+
+def test_first_invalid_utf8_offsets_across_chunks(tmp_path):
+    from tritonlm.tokenizer import first_invalid_utf8
+
+    path = tmp_path / "t.txt"
+    path.write_bytes("ab é cd ".encode() + b"\xff" + b"e")
+    assert first_invalid_utf8(path, chunk_bytes=3) == len("ab é cd ".encode())  # 'é' split over two chunks
+    path.write_bytes("ok ☃ fine".encode())
+    assert first_invalid_utf8(path, chunk_bytes=2) is None
+    path.write_bytes(b"abc\xe2\x98")  # truncated at the end
+    assert first_invalid_utf8(path, chunk_bytes=4) == 3
+
+
+def test_tokenizer_directory_keeps_its_special_tokens(tmp_path):
+    """Trained with custom special tokens, a tokenizer directory encodes with those (not <|endoftext|>), and
+    --errors replace lets non-UTF-8 input through."""
+    text = tmp_path / "t.txt"
+    text.write_text("hello <|a|> world <|b|> again " * 80)
+    r = _run(["tokenize", str(text), "--vocab-size", "300", "--out", str(tmp_path / "tok"), "--special-tokens",
+              "<|a|>", "<|b|>"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = _run(["tokenize", str(text), "--tokenizer", str(tmp_path / "tok"), "--output", str(tmp_path / "ids.npy")])
+    assert r.returncode == 0, r.stderr[-2000:]
+    from tritonlm.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_files(tmp_path / "tok" / "vocab.json", tmp_path / "tok" / "merges.txt", ["<|a|>", "<|b|>"])
+    ids = np.load(tmp_path / "ids.npy").tolist()
+    assert ids.count(tok._special_ids["<|b|>"]) == 80 and ids.count(tok._special_ids["<|a|>"]) == 80
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"caf\xe9 " * 200)
+    r = _run(["tokenize", str(bad), "--vocab-size", "280", "--out", str(tmp_path / "tok2"), "--errors", "replace"])
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -6,6 +6,7 @@ Every subcommand prints what it did and exits non-zero with a one-line reason on
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 
@@ -106,7 +107,7 @@ def cmd_train(args) -> int:
         max_steps=args.max_steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
         min_lr=args.min_lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, z_loss=args.z_loss, label_smoothing=args.label_smoothing,
-        document_mask=args.document_mask, overwrite=args.overwrite,
+        document_mask=args.document_mask, overwrite=args.overwrite, errors=args.errors,
         eval_every=args.eval_every, eval_batches=args.eval_batches,
         log_every=args.log_every, checkpoint_every=args.checkpoint_every, out=args.out, backend=args.backend,
         device=args.device, dtype=args.dtype, compile=args.compile, fsdp=args.fsdp, seed=args.seed,
@@ -154,12 +155,17 @@ def cmd_tokenize(args) -> int:
     import time
     from pathlib import Path
 
-    from .tokenizer import Tokenizer, encode_file, train_bpe
-    from .train import SPECIAL_TOKENS, TrainError, load_tokenizer
+    from .tokenizer import Tokenizer, encode_file, first_invalid_utf8, train_bpe
+    from .train import SPECIAL_TOKENS, SPECIAL_TOKENS_FILE, TrainError, load_tokenizer
 
     src = Path(args.input)
     if not src.is_file():
         raise CLIError(f"input file not found: {src}")
+    if args.errors == "strict":
+        bad = first_invalid_utf8(src)
+        if bad is not None:
+            raise CLIError(f"{src}: not valid UTF-8 at byte {bad:,}; pass --errors replace to read such bytes as "
+                           "U+FFFD")
     specials = args.special_tokens if args.special_tokens is not None else SPECIAL_TOKENS
     try:
         if args.stats:
@@ -196,6 +202,7 @@ def cmd_tokenize(args) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         tok.save(out / "vocab.json", out / "merges.txt")
+        (out / SPECIAL_TOKENS_FILE).write_text(json.dumps(specials), encoding="utf-8")  # reloaded with the tokenizer
         sample = src.read_text(encoding="utf-8", errors="replace")[:1_000_000]
         print(f"trained byte-level BPE on {src} ({src.stat().st_size / 1e6:.2f} MB): {len(vocab)} tokens, "
               f"{len(merges)} merges in {dt:.2f}s -> {out}/vocab.json, {out}/merges.txt; compression "
@@ -409,6 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 fully_shard (under torchrun)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
+    p.add_argument("--errors", choices=["strict", "replace"], default="strict",
+                   help="text that is not valid UTF-8: strict (default) stops with the byte offset, replace reads "
+                        "such bytes as U+FFFD")
     p.add_argument("--overwrite", action="store_true",
                    help="start over in an --out that holds a previous run (otherwise refused)")
     p.add_argument("--prompt", default="The", help="prompt for the sample printed at the end")
@@ -435,11 +445,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("input", help="a UTF-8 text file")
     p.add_argument("--vocab-size", type=int, help="train: final vocabulary size")
     p.add_argument("--out", help="train: directory for vocab.json and merges.txt")
-    p.add_argument("--special-tokens", nargs="*", default=None, help="default: <|endoftext|>")
+    p.add_argument("--special-tokens", nargs="*", default=None,
+                   help="train: special tokens (default <|endoftext|>), saved beside the tokenizer; encoding uses "
+                        "the ones the --tokenizer directory was trained with")
     p.add_argument("--tokenizer", action="append", help="directory with *vocab.json + *merges.txt (repeatable)")
     p.add_argument("--output", help="encode: output .npy token file (uint16, or uint32 for big vocabs)")
     p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     p.add_argument("--stats", action="store_true", help="compare compression ratios (bytes/token)")
+    p.add_argument("--errors", choices=["strict", "replace"], default="strict",
+                   help="input that is not valid UTF-8: strict (default) stops, replace reads such bytes as U+FFFD")
     p.set_defaults(func=cmd_tokenize)
 
     p = sub.add_parser("bench", help="end-to-end training-step comparison: table, plot, --json",

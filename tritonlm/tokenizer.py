@@ -337,6 +337,25 @@ def _from_unicode(text: str) -> bytes:
 LONG_PIECE_BYTES = 64
 
 
+def first_invalid_utf8(path, chunk_bytes: int = 1 << 22) -> int | None:
+    """Byte offset of the first invalid UTF-8 sequence in a file (streamed), or None when it all decodes."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    offset = 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(chunk_bytes)
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as e:
+                # e.start counts into what the decoder held (earlier partial bytes + this chunk)
+                return max(0, offset - (len(e.object) - len(chunk)) + e.start)
+            if not chunk:
+                return None
+            offset += len(chunk)
+
+
 def _fix_surrogates(text: str) -> str:
     return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 

@@ -81,6 +81,7 @@ class TrainConfig:
     seed: int = 0
     resume: bool = False
     overwrite: bool = False
+    errors: str = "strict"
     val_fraction: float = 0.05
     sample_prompt: str = "The"
     sample_tokens: int = 120
@@ -159,12 +160,32 @@ def find_tokenizer_files(location) -> tuple[Path, Path]:
     return vocab[0], merges[0]
 
 
+SPECIAL_TOKENS_FILE = "special_tokens.json"
+
+
+def read_special_tokens(location) -> list[str]:
+    """The special tokens a tokenizer directory was trained with (``special_tokens.json``, written beside
+    vocab.json by ``tritonlm train`` / ``tritonlm tokenize``); ``<|endoftext|>`` for directories without one
+    (GPT-2's own files)."""
+    path = Path(location) / SPECIAL_TOKENS_FILE
+    if not path.exists():
+        return list(SPECIAL_TOKENS)
+    try:
+        tokens = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise TrainError(f"{path}: not a JSON list of special tokens ({type(e).__name__})") from None
+    if not isinstance(tokens, list) or not all(isinstance(t, str) and t for t in tokens):
+        raise TrainError(f"{path}: must be a JSON list of non-empty strings")
+    return tokens
+
+
 def load_tokenizer(location):
     from .tokenizer import Tokenizer
 
     vocab, merges = find_tokenizer_files(location)
+    specials = read_special_tokens(location)
     try:
-        return Tokenizer.from_files(vocab, merges, SPECIAL_TOKENS)
+        return Tokenizer.from_files(vocab, merges, specials)
     except (ValueError, KeyError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
         raise TrainError(f"tokenizer {vocab} / {merges} is not a GPT-2 vocab.json + merges.txt pair: "
                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
@@ -172,7 +193,7 @@ def load_tokenizer(location):
 
 def prepare_data(cfg: TrainConfig, out: Path, vocab_size: int, say=print):
     """Returns ``(tokens memmap, tokenizer or None, tokenizer directory or None)``."""
-    from .tokenizer import Tokenizer, encode_file, train_bpe
+    from .tokenizer import Tokenizer, encode_file, first_invalid_utf8, train_bpe
 
     data_dir = out / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -188,6 +209,11 @@ def prepare_data(cfg: TrainConfig, out: Path, vocab_size: int, say=print):
             raise TrainError(f"data file not found: {path}")
         if path.stat().st_size == 0:
             raise TrainError(f"data file is empty: {path}")
+        if path.suffix not in (".npy", ".bin") and cfg.errors == "strict":
+            bad = first_invalid_utf8(path)
+            if bad is not None:
+                raise TrainError(f"{path}: not valid UTF-8 at byte {bad:,}; pass --errors replace to read such "
+                                 "bytes as U+FFFD")
 
     if path.suffix in (".npy", ".bin"):
         if path.suffix == ".npy":
@@ -229,7 +255,8 @@ def prepare_data(cfg: TrainConfig, out: Path, vocab_size: int, say=print):
             staging = Path(tempfile.mkdtemp(prefix=".tokenizer.", dir=tok_dir))
             try:
                 tokenizer.save(staging / "vocab.json", staging / "merges.txt")
-                for name in ("vocab.json", "merges.txt"):
+                (staging / SPECIAL_TOKENS_FILE).write_text(json.dumps(SPECIAL_TOKENS), encoding="utf-8")
+                for name in ("vocab.json", "merges.txt", SPECIAL_TOKENS_FILE):
                     os.replace(staging / name, tok_dir / name)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -334,6 +361,7 @@ def check_config(cfg: TrainConfig) -> None:
     need(cfg.sample_tokens >= 0, "--sample-tokens", cfg.sample_tokens, ">= 0")
     need(cfg.context_length is None or cfg.context_length > 0, "--context-length", cfg.context_length, "positive")
     need(0 < cfg.val_fraction < 1, "val_fraction", cfg.val_fraction, "in (0, 1)")
+    need(cfg.errors in ("strict", "replace"), "--errors", cfg.errors, "strict or replace")
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise TrainError(f"--out {out}: exists and is not a directory")
