@@ -94,7 +94,12 @@ def test_fused_lm_bf16_close_to_fp32_reference():
     ids = torch.randint(0, 97, (1, 29))
     want, got = ref(ids), fz(ids)
     assert got.dtype == torch.bfloat16
-    assert (got.float() - want).abs().max() < 0.1 * want.abs().max()
+    # bf16 weights and activations through 2 layers: a few bf16 ulps of the logits' scale, elementwise
+    torch.testing.assert_close(got.float(), want, atol=0.05 * want.abs().max().item(), rtol=0.05)
+    low = TransformerLM(**CFG.model_kwargs(), dtype=torch.bfloat16)  # the reference in bf16 lands as close
+    low.load_state_dict(ref.state_dict())
+    err_fused, err_ref = (got.float() - want).abs().mean(), (low(ids).float() - want).abs().mean()
+    assert err_fused < 2 * err_ref + 1e-3
 
 
 def test_fused_namespace_and_classes():
@@ -126,10 +131,10 @@ def test_fuse_unfuse_in_place_keeps_weights_and_checkpoints_interchange():
     assert type(model.layers[0].ln1) is reference.RMSNorm and model.backend == "reference"
 
 
-def test_fused_kv_cache_decode_matches_full_forward():
-    _, fz = _pair()
+def test_fused_kv_cache_decode_matches_reference_full_forward():
+    ref, fz = _pair()
     ids = torch.randint(0, 97, (2, 18))
-    full = fz(ids)
+    full = ref(ids)  # the reference model without a cache: an independent computation
     caches = fz.new_kv_caches()
     parts = [fz(ids[:, :11], kv_caches=caches)] + [fz(ids[:, t:t + 1], kv_caches=caches) for t in range(11, 18)]
     torch.testing.assert_close(torch.cat(parts, 1), full, atol=FP32_ATTENTION_TOL, rtol=FP32_ATTENTION_TOL)
@@ -160,24 +165,25 @@ def test_torch_compile_fullgraph_traces_fused_model():
     torch._dynamo.reset()
     _, fz = _pair()
     ids = torch.randint(0, 97, (2, 21))
-    eager = fz(ids)
+    ref = TransformerLM(**CFG.model_kwargs())
+    ref.load_state_dict(fz.state_dict())
+    want = ref(ids)  # the reference model: not the code under test
     compiled = torch.compile(fz, fullgraph=True, backend="aot_eager")
     out = compiled(ids)
-    torch.testing.assert_close(out, eager, atol=FP32_ATTENTION_TOL / 10, rtol=FP32_ATTENTION_TOL / 10)
+    torch.testing.assert_close(out, want, atol=FP32_ATTENTION_TOL, rtol=FP32_ATTENTION_TOL)
     out.float().pow(2).mean().backward()
     assert all(p.grad is not None for p in fz.parameters())
-    # the fused loss (linear_cross_entropy and its custom ops) traces too, with the same value and gradients
+    # the fused loss (linear_cross_entropy and its custom ops) traces too: the reference model's value and gradients
     targets = torch.randint(0, 97, (2, 21))
-    fz.zero_grad()
-    eager_loss = fz.loss(ids, targets, z_loss=1e-3)
+    eager_loss = ref.loss(ids, targets, z_loss=1e-3)
     eager_loss.backward()
-    want = [p.grad.clone() for p in fz.parameters()]
+    want = [p.grad.clone() for p in ref.parameters()]
     fz.zero_grad()
     compiled_loss = compiled(ids, targets=targets, z_loss=1e-3)
     compiled_loss.backward()
-    torch.testing.assert_close(compiled_loss, eager_loss, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(compiled_loss, eager_loss, atol=FP32_ATTENTION_TOL / 10, rtol=FP32_ATTENTION_TOL / 10)
     for p, g in zip(fz.parameters(), want):
-        torch.testing.assert_close(p.grad, g, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(p.grad, g, atol=FP32_ATTENTION_TOL / 10, rtol=FP32_ATTENTION_TOL)
 
 
 def _saved_bytes(module, x):
@@ -295,3 +301,23 @@ def test_packed_documents_fused_varlen_matches_reference_mask_and_separate_runs(
         ref(ids, document_ids=docs.flip(-1))
     with pytest.raises(ValueError, match="must match"):
         ref(ids, document_ids=docs[:, :5])
+
+
+@cpu_only
+def test_torch_compile_inductor_fused_loss_matches_reference():
+    """The default inductor backend (C++ codegen on CPU around the opaque Triton custom ops), fullgraph:
+    the fused model's loss and gradients equal the reference model's."""
+    torch._dynamo.reset()
+    cfg = CFG.replace(num_layers=1, num_kv_heads=2)
+    ref = TransformerLM(**cfg.model_kwargs())
+    fz = TransformerLM(**cfg.model_kwargs(), backend="triton")
+    fz.load_state_dict(ref.state_dict())
+    ids, targets = torch.randint(0, 97, (2, 21)), torch.randint(0, 97, (2, 21))
+    want = ref.loss(ids, targets)
+    want.backward()
+    got = torch.compile(fz, fullgraph=True)(ids, targets=targets)
+    got.backward()
+    tol = FP32_ATTENTION_TOL
+    torch.testing.assert_close(got, want, atol=tol / 10, rtol=tol / 10)
+    for (name, p1), p2 in zip(ref.named_parameters(), fz.parameters()):
+        torch.testing.assert_close(p2.grad, p1.grad, atol=tol / 10, rtol=tol, msg=name)

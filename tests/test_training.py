@@ -279,8 +279,20 @@ def test_cli_main_job_on_embedded_corpus(tmp_path):
              "--sample-tokens", "8", "--no-progress")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "embedded default corpus" in r.stdout and "sample" in r.stdout
-    g = _cli("generate", "--checkpoint", str(out), "--prompt", "The", "--max-new-tokens", "5", "--seed", "0")
-    assert g.returncode == 0 and g.stdout.startswith("The")
+    g = _cli("generate", "--checkpoint", str(out), "--prompt", "The", "--max-new-tokens", "5", "--seed", "0",
+             "--temperature", "0")
+    assert g.returncode == 0, g.stderr[-2000:]
+    # the prompt is echoed: what matters is what follows it, and the count on stderr is of generated tokens
+    import re
+
+    n_new = int(re.search(r"\[(\d+) tokens", g.stderr).group(1))
+    assert 1 <= n_new <= 5 and len(g.stdout.rstrip("\n")) > len("The")
+    from tritonlm.train import generate_ids, load_for_generation
+
+    model, tok = load_for_generation(out, "cpu", "reference")
+    expected = tok.decode(generate_ids(model, tok, "The", 5, temperature=0))
+    assert g.stdout.rstrip("\n") == "The" + expected.rstrip("\n") and n_new == len(generate_ids(model, tok, "The", 5,
+                                                                                              temperature=0))
 
 
 def test_ddp_and_fsdp_two_processes_gloo_match_single_process(tmp_path, corpus):
@@ -301,6 +313,7 @@ def test_ddp_and_fsdp_two_processes_gloo_match_single_process(tmp_path, corpus):
     assert c0 == c1  # replicas hold identical weights
     log_ddp = [json.loads(x)["loss"] for x in (tmp_path / "ddp" / "log.jsonl").read_text().splitlines()]
     log_one = [json.loads(x)["loss"] for x in (tmp_path / "one" / "log.jsonl").read_text().splitlines()]
+    assert len(log_ddp) == len(log_one) == 2  # steps 2 and 4: zip() alone would pass on an empty log
     assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(log_ddp, log_one))
     # FSDP2 (fully_shard) over the same global batch: the gathered checkpoint equals DDP's weights
     fsdp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
@@ -434,3 +447,31 @@ def test_resume_truncates_the_log_and_keeps_a_finished_checkpoint(corpus, tmp_pa
         train(_cfg(other, run, max_steps=8, resume=True, sample_tokens=0), say=lambda *a: None)
     train(_cfg(corpus, run, max_steps=7, overwrite=True, eval_every=0, sample_tokens=0), say=lambda *a: None)
     assert len(log.read_text().splitlines()) == 2  # started over: log_every 5 -> steps 5 and 7
+
+
+def test_sampling_top_k_top_p_and_temperature_frequencies():
+    """Empirical frequencies over 20K draws against the distribution worked out by hand for each filter."""
+    from tritonlm.generate import sample_next
+
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
+    logits = probs.log().expand(20_000, 5)
+    gen = torch.Generator().manual_seed(0)
+
+    def freq(**kw):
+        draws = sample_next(logits, generator=gen, **kw)
+        return torch.bincount(draws, minlength=5).double() / len(draws)
+
+    # top-k 2: the two largest renormalised, 2/3 and 1/3
+    torch.testing.assert_close(freq(top_k=2), torch.tensor([2 / 3, 1 / 3, 0, 0, 0], dtype=torch.float64), atol=0.015,
+                               rtol=0)
+    # top-p 0.7: tokens are kept until the mass before them reaches 0.7 -> {0.5, 0.25}; 0.9 -> first three
+    torch.testing.assert_close(freq(top_p=0.7), torch.tensor([2 / 3, 1 / 3, 0, 0, 0], dtype=torch.float64),
+                               atol=0.015, rtol=0)
+    torch.testing.assert_close(freq(top_p=0.9), torch.tensor([0.5, 0.25, 0.15, 0, 0], dtype=torch.float64) / 0.9,
+                               atol=0.015, rtol=0)
+    # temperature 2 flattens: p^(1/2) renormalised
+    flat = probs.double().sqrt() / probs.double().sqrt().sum()
+    torch.testing.assert_close(freq(temperature=2.0), flat, atol=0.015, rtol=0)
+    assert torch.equal(sample_next(logits[:3], temperature=0), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="top_p"):
+        sample_next(logits[:1], top_p=1.5)

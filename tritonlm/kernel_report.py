@@ -110,7 +110,8 @@ def _to_launch(kernel_label: str, case: str, call, flops: int = 0) -> Launch:
     kwargs = dict(kwargs)
     warps = kwargs.pop("num_warps", 4)
     stages = kwargs.pop("num_stages", 3)
-    moved = sum(_nbytes(a) for a in args if isinstance(a, torch.Tensor))
+    # each tensor once: a launcher may pass one tensor for two pointers (an unused optional input)
+    moved = sum(_nbytes(a) for a in {id(a): a for a in args if isinstance(a, torch.Tensor)}.values())
     return Launch(kernel_label, case, fn, tuple(args), kwargs, warps, stages, moved, flops)
 
 
