@@ -560,6 +560,14 @@ def _window(is_causal: bool, window: tuple[int, int], n_q: int, n_k: int) -> tup
     return left, (min(right, 0) if is_causal else right)
 
 
+def _dot_precision(dtype: torch.dtype) -> dict:
+    """Launch option for fp32 inputs: PyTorch's fp32 matmul precision decides, as it does for its own matmuls
+    ("highest", the default: IEEE fp32 dots; "high"/"medium": TF32 tensor cores). 16-bit inputs: no option."""
+    if dtype != torch.float32:
+        return {}
+    return {"default_dot_input_precision": "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"}
+
+
 def _has_window(is_causal: bool, window) -> bool:
     """Whether a window bounds more than causality does (then the kernels compare both window edges)."""
     left, right = window
@@ -612,7 +620,8 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
     win_left, win_right = _window(is_causal, window, n_q, n_k)
     cu_q = cu_seqlens_q if packed else lse  # (unused pointer for batches)
     cu_k = cu_seqlens_k if packed else lse
-    common = dict(CAUSAL=is_causal, WINDOW=_has_window(is_causal, window), VARLEN=packed, BLOCK_D=_block_d(d))
+    common = dict(CAUSAL=is_causal, WINDOW=_has_window(is_causal, window), VARLEN=packed, BLOCK_D=_block_d(d),
+                  **_dot_precision(q.dtype))
     args = lambda o_arg, lse_arg, o_strides, l_strides: (  # noqa: E731
         q4, k4, v4, o_arg, lse_arg, cu_q, cu_k, *_strides3(q4, packed), *_strides3(k4, packed),
         *_strides3(v4, packed), *o_strides, *l_strides)
@@ -675,7 +684,8 @@ def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale
     pre_m = 64
     block_m, block_n, warps, stages = _bwd_config(d, q.dtype, q.device)
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, VARLEN=packed, CAUSAL=is_causal,
-                 WINDOW=_has_window(is_causal, window), num_warps=warps, num_stages=stages)
+                 WINDOW=_has_window(is_causal, window), num_warps=warps, num_stages=stages,
+                 **_dot_precision(q.dtype))
     qk_scale = softmax_scale * LOG2E
     q_s, k_s, v_s, do_s = (_strides3(t, packed) for t in (q4, k4, v4, do4))
     for bh_start, n_bh in grid_axis1_launches(b * h):

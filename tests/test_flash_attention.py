@@ -205,3 +205,25 @@ def test_gqa_head_split_views_and_bad_head_counts():
             fn.apply(torch.randn(1, 3, 5, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16), True)
         with pytest.raises(ValueError, match="heads dim -3"):
             fn.apply(torch.randn(2, 4, 5, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16), True)
+
+
+def test_fp32_attention_follows_torch_matmul_precision(monkeypatch):
+    """fp32 attention dots are IEEE under PyTorch's default ("highest") and TF32 only where PyTorch allows it
+    ("high"); 16-bit inputs pass no option. Checked on the launch options the kernels receive."""
+    import importlib
+
+    fa = importlib.import_module("tritonlm.kernels.flash_attention")
+    seen = []
+    for kernel in (fa._fwd_kernel, fa._bwd_dkdv_kernel, fa._bwd_dq_kernel):
+        original = kernel.run
+        monkeypatch.setattr(kernel, "run", lambda *a, _o=original, **k: seen.append(
+            k.get("default_dot_input_precision")) or _o(*a, **k))
+    q = torch.randn(1, 2, 7, 16, requires_grad=True)
+    for precision, expected in (("highest", "ieee"), ("high", "tf32")):
+        monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda p=precision: p)
+        seen.clear()
+        FlashAttention.apply(q, q, q, True).sum().backward()
+        assert seen == [expected] * 3
+    seen.clear()
+    FlashAttention.apply(q.detach().half(), q.detach().half(), q.detach().half(), True)
+    assert seen == [None]

@@ -41,6 +41,7 @@ class Launch:
     num_stages: int
     bytes_moved: int = 0
     flops: int = 0
+    dot_precision: str | None = None  # the launch's default_dot_input_precision option, if it set one
 
 
 @dataclass
@@ -110,9 +111,10 @@ def _to_launch(kernel_label: str, case: str, call, flops: int = 0) -> Launch:
     kwargs = dict(kwargs)
     warps = kwargs.pop("num_warps", 4)
     stages = kwargs.pop("num_stages", 3)
+    precision = kwargs.pop("default_dot_input_precision", None)
     # each tensor once: a launcher may pass one tensor for two pointers (an unused optional input)
     moved = sum(_nbytes(a) for a in {id(a): a for a in args if isinstance(a, torch.Tensor)}.values())
-    return Launch(kernel_label, case, fn, tuple(args), kwargs, warps, stages, moved, flops)
+    return Launch(kernel_label, case, fn, tuple(args), kwargs, warps, stages, moved, flops, precision)
 
 
 def representative_launches(quick: bool = False, arch: str = "sm_90") -> list[Launch]:
@@ -296,7 +298,8 @@ def _sass_counts(sass: str) -> dict:
 
 
 @functools.cache
-def _compile_cached(fn, sig_items, const_items, attr_items, arch: int, num_warps: int, num_stages: int):
+def _compile_cached(fn, sig_items, const_items, attr_items, arch: int, num_warps: int, num_stages: int,
+                    dot_precision: str | None = None):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -304,7 +307,8 @@ def _compile_cached(fn, sig_items, const_items, attr_items, arch: int, num_warps
     src = ASTSource(fn=fn, signature=dict(sig_items), constexprs=dict(const_items),
                     attrs={k: [list(x) for x in v] for k, v in attr_items})
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
+                              options={"num_warps": num_warps, "num_stages": num_stages,
+                                       **({"default_dot_input_precision": dot_precision} if dot_precision else {})})
     cubin = compiled.asm["cubin"]
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
@@ -336,7 +340,8 @@ def ctas_per_sm(arch: int, registers: int, num_warps: int, smem_bytes: int) -> i
 def analyze(launch: Launch, arch: str) -> Row:
     """Compile one captured launch for ``arch`` (``sm_90``/``sm_80``) and summarise its cubin."""
     cfg = ", ".join(f"{k}={v}" for k, v in launch.constexprs.items() if k.isupper())
-    cfg = f"{cfg}, warps={launch.num_warps}, stages={launch.num_stages}"
+    cfg = f"{cfg}, warps={launch.num_warps}, stages={launch.num_stages}" + (
+        f", dot={launch.dot_precision}" if launch.dot_precision else "")
     roof = {gpu: round(max(launch.bytes_moved / bw, launch.flops / peak) * 1e6, 2)
             for gpu, (bw, peak) in ROOFLINE.items()}
     row = Row(launch.kernel, launch.case, arch, cfg, 0, 0, 0, bytes_moved=launch.bytes_moved,
@@ -346,7 +351,7 @@ def analyze(launch: Launch, arch: str) -> Row:
     try:
         usage, sass, dynamic_smem = _compile_cached(fn, tuple(sig.items()), tuple(const.items()),
                                       tuple((k, tuple(tuple(x) for x in v)) for k, v in attrs.items()),
-                                      ARCHS[arch], launch.num_warps, launch.num_stages)
+                                      ARCHS[arch], launch.num_warps, launch.num_stages, launch.dot_precision)
     except Exception as e:  # a kernel that does not compile is a row with its error, and a failed test
         row.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
         return row
