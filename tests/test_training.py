@@ -298,7 +298,8 @@ def test_cli_main_job_on_embedded_corpus(tmp_path):
 def test_ddp_and_fsdp_two_processes_gloo_match_single_process(tmp_path, corpus):
     common = ["train", "--data", str(corpus), "--max-steps", "4", "--log-every", "2", "--eval-every", "0",
               "--sample-tokens", "0", "--no-progress", "--vocab-size", "300", "--context-length", "16",
-              "--d-model", "32", "--num-layers", "1", "--num-heads", "2", "--d-ff", "64", "--seed", "1"]
+              "--d-model", "32", "--num-layers", "1", "--num-heads", "2", "--d-ff", "64", "--seed", "1",
+              "--grad-clip", "0.05"]  # a cap every step's norm exceeds: FSDP must clip by the global norm
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ddp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                           "--master_port", str(29500 + os.getpid() % 1000), "-m", "tritonlm.cli", *common,
@@ -314,6 +315,8 @@ def test_ddp_and_fsdp_two_processes_gloo_match_single_process(tmp_path, corpus):
     log_ddp = [json.loads(x)["loss"] for x in (tmp_path / "ddp" / "log.jsonl").read_text().splitlines()]
     log_one = [json.loads(x)["loss"] for x in (tmp_path / "one" / "log.jsonl").read_text().splitlines()]
     assert len(log_ddp) == len(log_one) == 2  # steps 2 and 4: zip() alone would pass on an empty log
+    norms = [json.loads(x)["grad_norm"] for x in (tmp_path / "one" / "log.jsonl").read_text().splitlines()]
+    assert min(norms) > 0.05  # the clip fired on the logged steps
     assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(log_ddp, log_one))
     # FSDP2 (fully_shard) over the same global batch: the gathered checkpoint equals DDP's weights
     fsdp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",

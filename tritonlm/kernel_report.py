@@ -272,10 +272,6 @@ def _specialise(launch: Launch):
     return signature, constexprs, attrs
 
 
-_LOAD_WIDTH = re.compile(r"^(LDG|STG)(?:\.E)?(?:\.(?:EL|EF|LU|NA|STRONG\.\w+|CONSTANT|SYS|GPU|BYPASS))*"
-                         r"(?:\.(128|64|U16|S16|U8|S8))?")
-
-
 def _sass_counts(sass: str) -> dict:
     ops = re.findall(r"^\s+/\*[0-9a-f]{4,5}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]+)", sass, re.M)
     counts: Counter = Counter()

@@ -150,19 +150,25 @@ def _chunk_boundaries(path: Path, special_tokens: list[str], target_bytes: int) 
     return bounds
 
 
-def _count_chunk(args) -> Counter:
-    path, start, end, special_tokens = args
+def _read_chunk(path, start: int, end: int) -> str:
+    """Bytes ``[start, end)`` of a file as text (chunk bounds sit on safe cuts; bad bytes become U+FFFD: the
+    command line checks UTF-8 up front unless asked to replace)."""
     with open(path, "rb") as f:
         f.seek(start)
-        text = f.read(end - start).decode("utf-8", errors="replace")
-    return _count_pretokens(text, special_tokens)
+        return f.read(end - start).decode("utf-8", errors="replace")
 
 
-def _pool(num_workers: int):
+def _count_chunk(args) -> Counter:
+    path, start, end, special_tokens = args
+    return _count_pretokens(_read_chunk(path, start, end), special_tokens)
+
+
+def _pool(num_workers: int, initializer=None, initargs=()):
+    """A worker pool (fork where the platform has it: workers inherit the tokenizer without pickling it)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    return ctx.Pool(num_workers)
+    return ctx.Pool(num_workers, initializer=initializer, initargs=initargs)
 
 
 def _auto_chunk_bytes(size: int, num_workers: int) -> int:
@@ -641,10 +647,7 @@ def _encode_chunk(args):
     path, start, end, dtype = args
     import numpy as np
 
-    with open(path, "rb") as f:
-        f.seek(start)
-        text = f.read(end - start).decode("utf-8", errors="replace")
-    return np.asarray(_WORKER_TOKENIZER.encode(text), dtype=dtype), end - start
+    return np.asarray(_WORKER_TOKENIZER.encode(_read_chunk(path, start, end)), dtype=dtype), end - start
 
 
 def encode_file(tokenizer: Tokenizer, input_path, output_path, num_workers: int | None = None,
@@ -680,10 +683,7 @@ def encode_file(tokenizer: Tokenizer, input_path, output_path, num_workers: int 
             results = map(_encode_chunk, jobs)
             pool = None
         else:
-            import multiprocessing as mp
-
-            ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-            pool = ctx.Pool(num_workers, initializer=_init_worker, initargs=(tokenizer,))
+            pool = _pool(num_workers, initializer=_init_worker, initargs=(tokenizer,))
             results = pool.imap(_encode_chunk, jobs)
         try:
             for arr, n_bytes in results:
