@@ -88,3 +88,25 @@ def liger_version() -> str:
 @functools.cache
 def compiled(fn):
     return torch.compile(fn)
+
+
+def fused_loss_baselines() -> dict:
+    """Liger-Kernel's fused linear cross-entropy and Cut Cross-Entropy as ``fn(hidden, weight, targets) -> loss``,
+    for those importable here (both need a GPU), keyed by name."""
+    out = {}
+    if not torch.cuda.is_available():
+        return out
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        liger = LigerFusedLinearCrossEntropyLoss()
+        out["liger-kernel"] = lambda h, w, t: liger(w, h, t)  # Liger takes the weight first
+    except ImportError:
+        pass
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce
+
+        out["cut-cross-entropy"] = lambda h, w, t: cce(h, w, t)
+    except ImportError:
+        pass
+    return out

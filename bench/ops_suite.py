@@ -11,7 +11,7 @@ import torch.nn.functional as TF
 from tritonlm import ModelConfig, accounting
 from tritonlm.benchmarking import benchmark_train_steps, time_fn
 
-from benchutil import liger_impls
+from benchutil import fused_loss_baselines, liger_impls
 
 
 def _ms(times):
@@ -220,19 +220,7 @@ def loss_rows(device, smoke=False, time_left=lambda: 1e9):
     impls = {"eager": eager, "tritonlm": lambda h, w, t: linear_cross_entropy(h, w, t)}
     if not smoke:
         impls["torch.compile(eager)"] = torch.compile(eager, dynamic=False)
-        try:
-            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-
-            liger = LigerFusedLinearCrossEntropyLoss()
-            impls["liger-kernel"] = lambda h, w, t: liger(w, h, t)
-        except ImportError:
-            pass
-        try:
-            from cut_cross_entropy import linear_cross_entropy as cce
-
-            impls["cut-cross-entropy"] = lambda h, w, t: cce(h, w, t)
-        except ImportError:
-            pass
+        impls.update(fused_loss_baselines())
     rows = []
     for n, d, v in shapes:
         if time_left() < 60:

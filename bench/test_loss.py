@@ -13,7 +13,7 @@ import torch.nn.functional as TF
 from tritonlm.kernels import add_rms_norm, linear_cross_entropy
 from tritonlm.memory import peak_live_bytes
 
-from benchutil import MACHINE, ON_GPU, compiled, peak_bytes, run
+from benchutil import MACHINE, ON_GPU, compiled, fused_loss_baselines, peak_bytes, run
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPE = torch.bfloat16 if ON_GPU else torch.float32
@@ -30,23 +30,11 @@ def _loss_impls():
     impls = {"eager": _eager_loss, "tritonlm": lambda h, w, t: linear_cross_entropy(h, w, t)}
     if ON_GPU:
         impls["compiled-eager"] = compiled(_eager_loss)
-        try:
-            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-
-            liger = LigerFusedLinearCrossEntropyLoss()
-            impls["liger"] = lambda h, w, t: liger(w, h, t)
-        except ImportError:
-            pass
-        try:
-            from cut_cross_entropy import linear_cross_entropy as cce
-
-            impls["cut-cross-entropy"] = lambda h, w, t: cce(h, w, t)
-        except ImportError:
-            pass
+        impls.update(fused_loss_baselines())
     return impls
 
 
-@pytest.mark.parametrize("impl", ["eager", "compiled-eager", "liger", "cut-cross-entropy", "tritonlm"])
+@pytest.mark.parametrize("impl", ["eager", "compiled-eager", "liger-kernel", "cut-cross-entropy", "tritonlm"])
 @pytest.mark.parametrize("shape", LOSS_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_lm_head_loss_fwd_bwd(benchmark, shape, impl):
     fn = _loss_impls().get(impl)
