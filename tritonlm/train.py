@@ -373,43 +373,105 @@ def check_config(cfg: TrainConfig) -> None:
                          "or --overwrite to start over")
 
 
-def train(cfg: TrainConfig, say=print) -> dict:
-    """Run the whole job; returns a summary dict (also written to ``out/summary.json``)."""
-    from tqdm.auto import tqdm
+@dataclass
+class _Run:
+    """The state a training job builds stage by stage (see :func:`train`)."""
 
+    cfg: TrainConfig
+    say: object
+    device: torch.device
+    dist: Dist
+    out: Path
+    # data stage
+    mcfg: ModelConfig | None = None
+    tokenizer: object = None
+    tok_dir: Path | None = None
+    data_fp: str | None = None
+    tok_fp: str | None = None
+    train_tokens: object = None
+    val_tokens: object = None
+    end_of_text: int | None = None
+    entropy: float = 0.0
+    # model stage
+    backend: str = "reference"
+    model: TransformerLM | None = None
+    train_model: object = None
+    ddp: object = None
+    optimizer: AdamW | None = None
+    start_step: int = 0
+    generator: torch.Generator | None = None
+    autocast: object = None
+    precision: str = ""
+    # loop
+    history: list = field(default_factory=list)
+    log: object = None
+    tokens_per_step: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.dist.main
+
+    @property
+    def ckpt_path(self) -> Path:
+        return self.out / CHECKPOINT_NAME
+
+    @property
+    def log_path(self) -> Path:
+        return self.out / "log.jsonl"
+
+
+def train(cfg: TrainConfig, say=print) -> dict:
+    """Run the whole job; returns a summary dict (also written to ``out/summary.json``).
+
+    Stages, top to bottom: check the options, set up devices and processes, prepare data and tokenizer, build
+    (or resume) the model and optimizer, run the training loop with its evaluations and checkpoints, finish
+    (summary, plot, sample).
+    """
     check_config(cfg)
+    run = _setup(cfg, say)
+    _data_stage(run)
+    _model_stage(run)
+    val_loss = _training_loop(run)
+    return _finish(run, val_loss)
+
+
+def _setup(cfg: TrainConfig, say) -> _Run:
+    """Devices and processes; only rank 0 speaks. Fails on an unusable backend before any data work."""
     device = resolve_device(cfg.device)
     dist_info = setup_distributed(device)
     if device.type == "cuda" and dist_info.world > 1:
         device = torch.device("cuda", dist_info.local_rank)
         torch.cuda.set_device(device)
-    main = dist_info.main
-    say = say if main else (lambda *a, **k: None)
+    say = say if dist_info.main else (lambda *a, **k: None)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-
+    run = _Run(cfg, say, device, dist_info, out)
     try:
-        mcfg = ModelConfig.preset(cfg.preset, **cfg.model_overrides)
+        run.mcfg = ModelConfig.preset(cfg.preset, **cfg.model_overrides)
     except (ValueError, TypeError) as e:
         raise TrainError(str(e)) from None
     if cfg.context_length:
-        mcfg = mcfg.replace(context_length=cfg.context_length)
-    loss_options = dict(label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss)
+        run.mcfg = run.mcfg.replace(context_length=cfg.context_length)
+    run.backend = runnable_backend(cfg.backend, device)  # with the fix in the message
+    return run
 
-    backend = runnable_backend(cfg.backend, device)  # fails before any data work, with the fix in the message
 
-    # ---- data and tokenizer (rank 0 prepares, the others wait and reuse the cache)
-    if dist_info.world > 1 and not main:
+def _data_stage(run: _Run) -> None:
+    """Tokenizer and token file (rank 0 prepares, the others wait and reuse the cache), their fingerprints,
+    id checks, the train / validation split and the data's unigram entropy."""
+    cfg, dist_info = run.cfg, run.dist
+    if dist_info.world > 1 and not run.main:
         torch.distributed.barrier()
-    tokens, tokenizer, tok_dir = prepare_data(cfg, out, mcfg.vocab_size, say)
-    if dist_info.world > 1 and main:
+    tokens, run.tokenizer, run.tok_dir = prepare_data(cfg, run.out, run.mcfg.vocab_size, run.say)
+    if dist_info.world > 1 and run.main:
         torch.distributed.barrier()
     # what a checkpoint was trained on, so that --resume can refuse other data or another tokenizer
-    data_fp = _fingerprint(Path(cfg.data) if cfg.data else out / "data" / "default_corpus.txt")
-    tok_fp = (hashlib.sha1(b"".join(p.read_bytes() for p in find_tokenizer_files(tok_dir))).hexdigest()[:12]
-              if tok_dir else None)
-    if tokenizer is not None and tokenizer.vocab_size != mcfg.vocab_size:
-        mcfg = mcfg.replace(vocab_size=tokenizer.vocab_size)
+    run.data_fp = _fingerprint(Path(cfg.data) if cfg.data else run.out / "data" / "default_corpus.txt")
+    run.tok_fp = (hashlib.sha1(b"".join(p.read_bytes() for p in find_tokenizer_files(run.tok_dir))).hexdigest()[:12]
+                  if run.tok_dir else None)
+    mcfg = run.mcfg
+    if run.tokenizer is not None and run.tokenizer.vocab_size != mcfg.vocab_size:
+        mcfg = run.mcfg = mcfg.replace(vocab_size=run.tokenizer.vocab_size)
     max_id = int(tokens.max()) if len(tokens) else -1
     if len(tokens) and np.issubdtype(tokens.dtype, np.signedinteger) and int(tokens.min()) < 0:
         raise TrainError(f"data holds a negative token id ({int(tokens.min())}); token ids must be >= 0")
@@ -419,47 +481,27 @@ def train(cfg: TrainConfig, say=print) -> dict:
     if len(tokens) - n_val <= mcfg.context_length:
         raise TrainError(f"the data has {len(tokens):,} tokens: too few for context {mcfg.context_length} "
                          f"plus a validation split")
-    train_tokens, val_tokens = tokens[:-n_val], tokens[-n_val:]
-    end_of_text = None
+    run.train_tokens, run.val_tokens = tokens[:-n_val], tokens[-n_val:]
     if cfg.document_mask:
-        end_of_text = tokenizer._special_ids.get(SPECIAL_TOKENS[0]) if tokenizer is not None else None
-        if end_of_text is None:
+        run.end_of_text = (run.tokenizer._special_ids.get(SPECIAL_TOKENS[0]) if run.tokenizer is not None
+                           else None)
+        if run.end_of_text is None:
             raise TrainError(f"--document-mask needs a tokenizer with {SPECIAL_TOKENS[0]} to find document ends "
                              "(pass --tokenizer with a token file)")
-    entropy = unigram_entropy(train_tokens, mcfg.vocab_size)
+    run.entropy = unigram_entropy(run.train_tokens, mcfg.vocab_size)
 
-    # ---- model and optimizer
+
+def _model_stage(run: _Run) -> None:
+    """The model (resumed from the checkpoint with --resume, after checking it is the same run), its
+    distribution (FSDP2 / DDP), the optimizer and compilation."""
+    cfg, mcfg, device, dist_info = run.cfg, run.mcfg, run.device, run.dist
     torch.manual_seed(cfg.seed)
-    model = TransformerLM.from_config(mcfg, device=device, backend=backend)
+    model = run.model = TransformerLM.from_config(mcfg, device=device, backend=run.backend)
     model.token_embeddings.check_ids = False  # every id was checked against the vocab above, once
-    say(f"model: preset {cfg.preset}, {accounting.param_count(mcfg) / 1e6:.2f}M parameters, "
-        f"backend {model.backend} on {device}" + (f" ({dist_info.world} ranks)" if dist_info.world > 1 else ""))
-    generator = torch.Generator().manual_seed(cfg.seed)
-    start_step = 0
-    ckpt_path = out / CHECKPOINT_NAME
-    payload = None
-    if cfg.resume:
-        if not ckpt_path.exists():
-            raise TrainError(f"--resume: no checkpoint in {out}")
-        payload = read_checkpoint(ckpt_path, map_location=device)
-        saved = payload.get("model_config", {})
-        diff = {k: (v, getattr(mcfg, k)) for k, v in saved.items() if getattr(mcfg, k, v) != v}
-        if diff:
-            raise TrainError(f"--resume: {ckpt_path} was trained with a different model ("
-                             + ", ".join(f"{k} {a} vs {b} now" for k, (a, b) in diff.items())
-                             + "); pass the same --preset/--data/size flags as the first run")
-        for key, now, what in (("data_fingerprint", data_fp, "--data"), ("tokenizer_fingerprint", tok_fp, "tokenizer")):
-            if payload.get(key) is not None and payload[key] != now:
-                raise TrainError(f"--resume: {ckpt_path} was trained on another {what} ({payload[key]} vs {now} now); "
-                                 "pass the first run's --data/--tokenizer")
-        model.load_state_dict(payload["model"])  # full weights, before any sharding
-        start_step = int(payload["iteration"])
-        if start_step >= cfg.max_steps:
-            raise TrainError(f"--resume: {ckpt_path} is at step {start_step} already, not before --max-steps "
-                             f"{cfg.max_steps}; raise --max-steps to train further (the checkpoint is kept as is)")
-        restore_rng_state(payload["rng"])
-        generator.set_state(payload["generator"])
-        say(f"resume: from step {start_step} of {ckpt_path}")
+    run.say(f"model: preset {cfg.preset}, {accounting.param_count(mcfg) / 1e6:.2f}M parameters, "
+            f"backend {model.backend} on {device}" + (f" ({dist_info.world} ranks)" if dist_info.world > 1 else ""))
+    run.generator = torch.Generator().manual_seed(cfg.seed)
+    payload = _resume(run) if cfg.resume else None
     if cfg.fsdp:
         if dist_info.world == 1:
             raise TrainError("--fsdp needs torchrun with more than one process")
@@ -478,7 +520,8 @@ def train(cfg: TrainConfig, say=print) -> dict:
             model, device_ids=[device.index] if device.type == "cuda" else None)
     else:
         train_model = model
-    optimizer = AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    optimizer = run.optimizer = AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
+                                      weight_decay=cfg.weight_decay)
     if payload is not None:
         # FSDP checkpoints key the optimizer state by parameter name, others by index: either resumes either way
         names = optimizer_param_names(model, optimizer)
@@ -489,86 +532,135 @@ def train(cfg: TrainConfig, say=print) -> dict:
             set_optimizer_state_dict(model, optimizer, optim_state, options=StateDictOptions(full_state_dict=True))
         else:
             optimizer.load_state_dict(optim_state)
-        payload = None
     # the DDP wrapper itself (also under torch.compile): gradient all-reduce skipped on all but the last micro-batch
-    ddp = train_model if isinstance(train_model, torch.nn.parallel.DistributedDataParallel) else None
-    if cfg.compile:
-        train_model = torch.compile(train_model)
-    autocast, precision = _autocast(device, cfg.dtype)
+    run.ddp = train_model if isinstance(train_model, torch.nn.parallel.DistributedDataParallel) else None
+    run.train_model = torch.compile(train_model) if cfg.compile else train_model
+    run.autocast, run.precision = _autocast(device, cfg.dtype)
 
+
+def _resume(run: _Run) -> dict:
+    """Load the checkpoint into the model after checking it is this run's (model, data, tokenizer, steps);
+    returns the payload for the optimizer state."""
+    cfg, mcfg, ckpt_path = run.cfg, run.mcfg, run.ckpt_path
+    if not ckpt_path.exists():
+        raise TrainError(f"--resume: no checkpoint in {run.out}")
+    payload = read_checkpoint(ckpt_path, map_location=run.device)
+    saved = payload.get("model_config", {})
+    diff = {k: (v, getattr(mcfg, k)) for k, v in saved.items() if getattr(mcfg, k, v) != v}
+    if diff:
+        raise TrainError(f"--resume: {ckpt_path} was trained with a different model ("
+                         + ", ".join(f"{k} {a} vs {b} now" for k, (a, b) in diff.items())
+                         + "); pass the same --preset/--data/size flags as the first run")
+    for key, now, what in (("data_fingerprint", run.data_fp, "--data"), ("tokenizer_fingerprint", run.tok_fp,
+                                                                           "tokenizer")):
+        if payload.get(key) is not None and payload[key] != now:
+            raise TrainError(f"--resume: {ckpt_path} was trained on another {what} ({payload[key]} vs {now} now); "
+                             "pass the first run's --data/--tokenizer")
+    run.model.load_state_dict(payload["model"])  # full weights, before any sharding
+    run.start_step = int(payload["iteration"])
+    if run.start_step >= cfg.max_steps:
+        raise TrainError(f"--resume: {ckpt_path} is at step {run.start_step} already, not before --max-steps "
+                         f"{cfg.max_steps}; raise --max-steps to train further (the checkpoint is kept as is)")
+    restore_rng_state(payload["rng"])
+    run.generator.set_state(payload["generator"])
+    run.say(f"resume: from step {run.start_step} of {ckpt_path}")
+    return payload
+
+
+def _micro_batch(run: _Run, source, gen: torch.Generator):
+    """``(x, y, extra)``: this rank's windows, targets and the forward's document_ids under --document-mask."""
+    cfg, ctx = run.cfg, run.mcfg.context_length
+    starts = sample_starts(len(source), cfg.batch_size * run.dist.world, ctx, gen)
+    mine = starts[run.dist.rank * cfg.batch_size:(run.dist.rank + 1) * cfg.batch_size]
+    x, y = batch_at(source, mine, ctx, run.device)
+    return x, y, ({"document_ids": document_ids(x, run.end_of_text)} if run.end_of_text is not None else {})
+
+
+@torch.no_grad()
+def _evaluate(run: _Run) -> float:
+    """Mean validation loss over --eval-batches fixed windows: the plain cross-entropy (no smoothing, no z-loss),
+    so validation perplexity stays comparable across runs."""
+    run.model.eval()
+    gen = torch.Generator().manual_seed(run.cfg.seed + 1)  # the same validation windows every time
+    total = torch.zeros((), device=run.device)
+    for _ in range(run.cfg.eval_batches):
+        x, y, extra = _micro_batch(run, run.val_tokens, gen)
+        with run.autocast:
+            total += run.train_model(x, targets=y, **extra).float()
+    run.model.train()
+    return float(_all_mean(total / run.cfg.eval_batches, run.dist))
+
+
+def _record(run: _Run, entry: dict) -> None:
+    run.history.append(entry)
+    if run.log:
+        run.log.write(json.dumps(entry) + "\n")
+        run.log.flush()
+
+
+def _checkpoint(run: _Run, step: int) -> None:
+    cfg = run.cfg
+    extra = dict(model_config=run.mcfg.to_dict(), train_config=cfg.to_dict(), generator=run.generator.get_state(),
+                 tokenizer=str(run.tok_dir.resolve()) if run.tok_dir else None, data_fingerprint=run.data_fp,
+                 tokenizer_fingerprint=run.tok_fp)
+    if cfg.fsdp:
+        # every rank takes part in gathering full (unsharded) weights and optimizer state; rank 0 writes
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state = get_model_state_dict(run.model, options=opts)
+        optim_state = get_optimizer_state_dict(run.model, run.optimizer, options=opts)
+        if run.main:
+            save_checkpoint(None, None, step, run.ckpt_path, model_state=model_state, optimizer_state=optim_state,
+                            **extra)
+        return
+    if run.main:
+        save_checkpoint(unwrap(run.model), run.optimizer, step, run.ckpt_path, **extra)
+
+
+def _open_log(run: _Run) -> None:
+    if not run.main:
+        return
+    if run.cfg.resume and run.log_path.exists():
+        # entries past the checkpoint were logged by a run that did not save them: drop them, the rerun logs anew
+        kept = [line for line in run.log_path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= run.start_step]
+        write_text_atomic(run.log_path, "".join(line + "\n" for line in kept))
+    run.log = open(run.log_path, "a" if run.cfg.resume else "w")
+
+
+def _training_loop(run: _Run) -> float:
+    """The optimizer steps: cosine schedule, gradient accumulation (DDP syncs on the last micro-batch only),
+    clipping, logging every --log-every steps, validation every --eval-every steps, checkpoints. Returns the
+    final validation loss."""
+    from tqdm.auto import tqdm
+
+    cfg, device, model, optimizer = run.cfg, run.device, run.model, run.optimizer
     min_lr = cfg.min_lr if cfg.min_lr is not None else cfg.lr / 10
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, cfg.max_steps // 20)
-    ctx = mcfg.context_length
-    global_batch = cfg.batch_size * dist_info.world
+    ctx = run.mcfg.context_length
+    global_batch = cfg.batch_size * run.dist.world
     tokens_per_step = global_batch * ctx * cfg.grad_accum
     peak = accounting.peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-    step_flops = accounting.training_flops(mcfg, ctx, global_batch * cfg.grad_accum)
-    say(f"train: {cfg.max_steps} steps x {tokens_per_step:,} tokens (batch {cfg.batch_size} x {dist_info.world} "
-        f"ranks x accum {cfg.grad_accum}, context {ctx}), {precision}, lr {cfg.lr:g} -> {min_lr:g}, "
-        f"unigram entropy of the data {entropy:.3f} nats")
-    if end_of_text is not None:
-        say(f"train: --document-mask: attention stays within documents ended by {SPECIAL_TOKENS[0]} (id "
-            f"{end_of_text}), positions restart per document" + (" (varlen kernels)" if backend == "triton" else ""))
-
-    def micro_batch(source, gen):
-        """``(x, y, extra)``: windows, targets and the forward's document_ids when --document-mask is on."""
-        starts = sample_starts(len(source), global_batch, ctx, gen)
-        mine = starts[dist_info.rank * cfg.batch_size:(dist_info.rank + 1) * cfg.batch_size]
-        x, y = batch_at(source, mine, ctx, device)
-        return x, y, ({"document_ids": document_ids(x, end_of_text)} if end_of_text is not None else {})
-
-    @torch.no_grad()
-    def evaluate() -> float:
-        model.eval()
-        gen = torch.Generator().manual_seed(cfg.seed + 1)  # the same validation windows every time
-        total = torch.zeros((), device=device)
-        for _ in range(cfg.eval_batches):
-            x, y, extra = micro_batch(val_tokens, gen)
-            with autocast:  # the plain cross-entropy (no smoothing, no z-loss): val perplexity stays comparable
-                total += train_model(x, targets=y, **extra).float()
-        model.train()
-        return float(_all_mean(total / cfg.eval_batches, dist_info))
-
-    log_path = out / "log.jsonl"
-    if main and cfg.resume and log_path.exists():
-        # entries past the checkpoint were logged by a run that did not save them: drop them, the rerun logs anew
-        kept = [line for line in log_path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= start_step]
-        write_text_atomic(log_path, "".join(line + "\n" for line in kept))
-    log = open(log_path, "a" if cfg.resume else "w") if main else None
-    history = []
-
-    def record(entry: dict):
-        history.append(entry)
-        if log:
-            log.write(json.dumps(entry) + "\n")
-            log.flush()
-
-    def checkpoint(step: int):
-        extra = dict(model_config=mcfg.to_dict(), train_config=cfg.to_dict(), generator=generator.get_state(),
-                     tokenizer=str(tok_dir.resolve()) if tok_dir else None, data_fingerprint=data_fp,
-                     tokenizer_fingerprint=tok_fp)
-        if cfg.fsdp:
-            # every rank takes part in gathering full (unsharded) weights and optimizer state; rank 0 writes
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                get_model_state_dict,
-                get_optimizer_state_dict,
-            )
-
-            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            model_state = get_model_state_dict(model, options=opts)
-            optim_state = get_optimizer_state_dict(model, optimizer, options=opts)
-            if main:
-                save_checkpoint(None, None, step, ckpt_path, model_state=model_state, optimizer_state=optim_state,
-                                **extra)
-            return
-        if main:
-            save_checkpoint(unwrap(model), optimizer, step, ckpt_path, **extra)
+    step_flops = accounting.training_flops(run.mcfg, ctx, global_batch * cfg.grad_accum)
+    loss_options = dict(label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss)
+    run.say(f"train: {cfg.max_steps} steps x {tokens_per_step:,} tokens (batch {cfg.batch_size} x {run.dist.world} "
+            f"ranks x accum {cfg.grad_accum}, context {ctx}), {run.precision}, lr {cfg.lr:g} -> {min_lr:g}, "
+            f"unigram entropy of the data {run.entropy:.3f} nats")
+    if run.end_of_text is not None:
+        run.say(f"train: --document-mask: attention stays within documents ended by {SPECIAL_TOKENS[0]} (id "
+                f"{run.end_of_text}), positions restart per document"
+                + (" (varlen kernels)" if run.backend == "triton" else ""))
+    run.tokens_per_step = tokens_per_step
+    _open_log(run)
 
     model.train()
-    bar = tqdm(range(start_step, cfg.max_steps), initial=start_step, total=cfg.max_steps, desc="train",
-               unit="step", disable=not (main and cfg.progress), dynamic_ncols=True)
+    bar = tqdm(range(run.start_step, cfg.max_steps), initial=run.start_step, total=cfg.max_steps, desc="train",
+               unit="step", disable=not (run.main and cfg.progress), dynamic_ncols=True)
     t_last, steps_since, loss_acc = time.perf_counter(), 0, torch.zeros((), device=device)
     val_loss = None
     for step in bar:
@@ -576,11 +668,11 @@ def train(cfg: TrainConfig, say=print) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr
         for micro in range(cfg.grad_accum):
-            x, y, extra = micro_batch(train_tokens, generator)
-            sync = micro == cfg.grad_accum - 1 or ddp is None
-            with ddp.no_sync() if not sync else contextlib.nullcontext():
-                with autocast:  # the loss comes out of forward (DDP/FSDP/compile see it); fused: no logits held
-                    loss = train_model(x, targets=y, **extra, **loss_options) / cfg.grad_accum
+            x, y, extra = _micro_batch(run, run.train_tokens, run.generator)
+            sync = micro == cfg.grad_accum - 1 or run.ddp is None
+            with run.ddp.no_sync() if not sync else contextlib.nullcontext():
+                with run.autocast:  # the loss comes out of forward (DDP/FSDP/compile see it); fused: no logits held
+                    loss = run.train_model(x, targets=y, **extra, **loss_options) / cfg.grad_accum
                 loss.backward()
             loss_acc += loss.detach()
         grad_norm = clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -590,16 +682,16 @@ def train(cfg: TrainConfig, say=print) -> dict:
         done = step + 1
         # evaluation runs on its own schedule (every --eval-every steps and at the end), whatever --log-every is
         eval_now = bool(cfg.eval_every) and (done % cfg.eval_every == 0 or done == cfg.max_steps)
+        log_now = done % cfg.log_every == 0 or done == cfg.max_steps
         if eval_now:
-            val_loss = evaluate()
-        if eval_now and not (done % cfg.log_every == 0 or done == cfg.max_steps):
-            record({"step": done, "val_loss": val_loss, "val_ppl": math.exp(val_loss)})
-        if done % cfg.log_every == 0 or done == cfg.max_steps:
+            val_loss = _evaluate(run)
+        if eval_now and not log_now:
+            _record(run, {"step": done, "val_loss": val_loss, "val_ppl": math.exp(val_loss)})
+        if log_now:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            now = time.perf_counter()
-            dt = (now - t_last) / steps_since
-            train_loss = float(_all_mean(loss_acc / steps_since, dist_info))
+            dt = (time.perf_counter() - t_last) / steps_since
+            train_loss = float(_all_mean(loss_acc / steps_since, run.dist))
             entry = {"step": done, "loss": train_loss, "lr": lr, "grad_norm": float(grad_norm),
                      "tokens_per_s": tokens_per_step / dt, "step_s": dt}
             if peak:
@@ -607,7 +699,7 @@ def train(cfg: TrainConfig, say=print) -> dict:
             if eval_now:
                 entry["val_loss"] = val_loss
                 entry["val_ppl"] = math.exp(val_loss)
-            record(entry)
+            _record(run, entry)
             postfix = {"loss": f"{train_loss:.3f}", "tok/s": f"{entry['tokens_per_s']:,.0f}"}
             if val_loss is not None:
                 postfix["val"] = f"{val_loss:.3f}"
@@ -616,43 +708,48 @@ def train(cfg: TrainConfig, say=print) -> dict:
             bar.set_postfix(postfix)
             t_last, steps_since, loss_acc = time.perf_counter(), 0, torch.zeros((), device=device)
         if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
-            checkpoint(done)
+            _checkpoint(run, done)
     bar.close()
-    checkpoint(cfg.max_steps)
+    _checkpoint(run, cfg.max_steps)
     if not cfg.eval_every:  # --eval-every 0: only at the end
-        val_loss = evaluate()
+        val_loss = _evaluate(run)
+    return val_loss
 
-    # ---- ranks agree? (DDP keeps replicas identical; report a checksum per rank)
+
+def _finish(run: _Run, val_loss: float) -> dict:
+    """Summary (with per-rank weight checksums under DDP), loss plot, a sample, summary.json."""
+    cfg, history, entropy = run.cfg, run.history, run.entropy
     train_entries = [h for h in history if "loss" in h]
     summary = {"steps": cfg.max_steps, "final_train_loss": train_entries[-1]["loss"] if train_entries else None,
-               "final_val_loss": val_loss, "unigram_entropy": entropy, "out": str(out),
-               "checkpoint": str(ckpt_path), "backend": model.backend, "device": str(device),
-               "world_size": dist_info.world, "tokens_per_step": tokens_per_step}
-    if dist_info.world > 1 and not cfg.fsdp:
+               "final_val_loss": val_loss, "unigram_entropy": entropy, "out": str(run.out),
+               "checkpoint": str(run.ckpt_path), "backend": run.model.backend, "device": str(run.device),
+               "world_size": run.dist.world, "tokens_per_step": run.tokens_per_step}
+    if run.dist.world > 1 and not cfg.fsdp:
         import torch.distributed as dist
 
-        checksum = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum().to(device)
-        gathered = [torch.zeros_like(checksum) for _ in range(dist_info.world)]
+        # ranks agree? (DDP keeps replicas identical; report a checksum per rank)
+        checksum = torch.stack([p.detach().double().sum() for p in run.model.parameters()]).sum().to(run.device)
+        gathered = [torch.zeros_like(checksum) for _ in range(run.dist.world)]
         dist.all_gather(gathered, checksum)
         summary["rank_checksums"] = [float(c) for c in gathered]
-    if main:
+    if run.main:
         if train_entries:
-            say(f"done: {cfg.max_steps} steps, train loss {summary['final_train_loss']:.3f}, "
-                f"val loss {val_loss:.3f} (perplexity {math.exp(val_loss):.1f}) vs unigram entropy "
-                f"{entropy:.3f} nats" + (" -- below it: the model uses context" if val_loss < entropy else ""))
-        plot = plot_loss(history, out / "loss.png", entropy)
-        say(f"saved: checkpoint {ckpt_path}, log {log_path}" + (f", plot {plot}" if plot else
-            " (pip install 'tritonlm[plot]' for a loss-curve PNG)"))
-        if tokenizer is not None and cfg.sample_tokens > 0:
-            sample = generate_text(model, tokenizer, cfg.sample_prompt, cfg.sample_tokens, temperature=0.8,
+            run.say(f"done: {cfg.max_steps} steps, train loss {summary['final_train_loss']:.3f}, "
+                    f"val loss {val_loss:.3f} (perplexity {math.exp(val_loss):.1f}) vs unigram entropy "
+                    f"{entropy:.3f} nats" + (" -- below it: the model uses context" if val_loss < entropy else ""))
+        plot = plot_loss(history, run.out / "loss.png", entropy)
+        run.say(f"saved: checkpoint {run.ckpt_path}, log {run.log_path}" + (f", plot {plot}" if plot else
+                " (pip install 'tritonlm[plot]' for a loss-curve PNG)"))
+        if run.tokenizer is not None and cfg.sample_tokens > 0:
+            sample = generate_text(run.model, run.tokenizer, cfg.sample_prompt, cfg.sample_tokens, temperature=0.8,
                                    top_k=40, seed=cfg.seed)
             summary["sample"] = sample
-            say(f"sample (prompt {cfg.sample_prompt!r}, temperature 0.8, top-k 40):\n{'-' * 60}\n"
-                f"{cfg.sample_prompt}{sample}\n{'-' * 60}")
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    if log:
-        log.close()
-    if dist_info.world > 1:
+            run.say(f"sample (prompt {cfg.sample_prompt!r}, temperature 0.8, top-k 40):\n{'-' * 60}\n"
+                    f"{cfg.sample_prompt}{sample}\n{'-' * 60}")
+        (run.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if run.log:
+        run.log.close()
+    if run.dist.world > 1:
         torch.distributed.barrier()
     return summary
 
