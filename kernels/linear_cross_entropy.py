@@ -31,7 +31,8 @@ import triton
 
 from ..profiling import kernel_range
 from ._common import check_device, check_float, first_order_backward
-from .cross_entropy import check_loss_options, check_targets, cross_entropy_rows, mean_scale, reduce_loss
+from .cross_entropy import check_loss_options, cross_entropy_rows, mean_scale, reduce_loss
+from .cross_entropy import check_targets as _check_targets
 
 #: logits held at once: 16M (64 MiB in fp32); a chunk has at least CHUNK_MIN_ROWS tokens
 CHUNK_ELEMENTS = 1 << 24
@@ -232,7 +233,8 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                          ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
-                         softcap: float | None = None, reduction: str = "mean", return_z_loss: bool = False):
+                         softcap: float | None = None, reduction: str = "mean", return_z_loss: bool = False,
+                         check_targets: bool = True):
     """``cross_entropy(hidden @ weightᵀ, targets)`` without materialising the ``[tokens, vocab]`` logits.
 
     Args:
@@ -241,6 +243,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         targets: ``[...]`` integer ids in ``[0, vocab)`` or ``ignore_index``.
         label_smoothing, z_loss, softcap, reduction: as :func:`tritonlm.kernels.cross_entropy`.
         return_z_loss: also return the z-loss term, reduced like the loss and not differentiable.
+        check_targets: verify every target is in range or ``ignore_index`` (one host sync); pass False for targets
+            already validated (a training loop whose data was checked once), keeping the step free of syncs.
 
     Returns the exact loss (not an approximation); gradients flow to ``hidden`` and ``weight``.
     """
@@ -258,7 +262,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     check_float("linear_cross_entropy", hidden, weight)
     check_device("linear_cross_entropy", hidden, weight, targets)
     check_loss_options("linear_cross_entropy", ignore_index, label_smoothing, z_loss, softcap, reduction)
-    check_targets("linear_cross_entropy", targets, weight.shape[0], ignore_index)
+    if check_targets:
+        _check_targets("linear_cross_entropy", targets, weight.shape[0], ignore_index)
     compute_dtype = _autocast_dtype(hidden.device.type) or hidden.dtype
     loss, z_term = LinearCrossEntropyFunction.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), int(ignore_index),

@@ -208,7 +208,10 @@ class TransformerLM(nn.Module):
             from .. import kernels
 
             return kernels.linear_cross_entropy(hidden, self.lm_head.weight, targets, ignore_index=ignore_index,
-                                                label_smoothing=label_smoothing, z_loss=z_loss)
+                                                label_smoothing=label_smoothing, z_loss=z_loss,
+                                                # targets come from the ids' data: a trainer that validated it
+                                                # once (check_ids off) skips the per-step host sync here too
+                                                check_targets=self.token_embeddings.check_ids)
         from .functional import cross_entropy
 
         return cross_entropy(self.lm_head(hidden), targets, ignore_index=ignore_index,

@@ -346,3 +346,18 @@ def test_linear_cross_entropy_refuses_a_second_backward_through_one_graph():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="twice"):
         loss.backward()
+
+
+def test_model_loss_checks_targets_unless_the_data_was_validated():
+    from tritonlm import ModelConfig, TransformerLM
+
+    cfg = ModelConfig.preset("tiny", vocab_size=50, context_length=16, num_layers=1)
+    model = TransformerLM(**cfg.model_kwargs(), backend="triton")
+    ids = torch.randint(0, 50, (1, 9))
+    with pytest.raises(ValueError, match="target 50 is outside"):
+        model.loss(ids, torch.full((1, 9), 50))
+    model.token_embeddings.check_ids = False  # what the trainer does after checking its token file once
+    checked = TransformerLM(**cfg.model_kwargs(), backend="triton")
+    checked.load_state_dict(model.state_dict())
+    targets = torch.randint(0, 50, (1, 9))
+    torch.testing.assert_close(model.loss(ids, targets), checked.loss(ids, targets))
