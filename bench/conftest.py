@@ -16,6 +16,10 @@ if not ON_GPU:
     # the Triton kernels run on CPU through the interpreter; must be set before Triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# the repository root (put on sys.path by ``python -m pytest``) holds ``kernels/``, which would shadow the unrelated
+# top-level ``kernels`` package transformers probes for; tritonlm comes from its install
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _ROOT]
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest  # noqa: E402

@@ -6,6 +6,9 @@ Backward, with ``xhat = x * rstd`` and ``g = dy * weight``::
     dx      = rstd * (g - xhat * mean(g * xhat))      (per row)
     dweight = sum over rows of dy * xhat
 
+With ``cast_xhat`` (Hugging Face Llama's casting: ``weight * (x * rstd).to(x.dtype)``) the normalised row
+is rounded to x's dtype before the weight multiply, and ``dweight`` sums ``dy`` times that rounded value.
+
 ``dweight`` is summed per program into a ``[programs, n_cols]`` fp32 buffer, then reduced by a second
 small kernel: deterministic, no float atomics.
 
@@ -56,10 +59,21 @@ def _load_input(X, RES, H, x_rows, res_rows, h_rows, cols, mask, STORE_H: tl.con
 
 
 @triton.jit
+def _normalised(x, rstd, Y, CAST_XHAT: tl.constexpr):
+    """``x * rstd`` (fp32); with ``CAST_XHAT`` rounded through the output dtype first, as HF Llama's RMSNorm does
+    (``weight * xhat.to(input_dtype)``)."""
+    xhat = x * rstd[:, None]
+    if CAST_XHAT:
+        xhat = xhat.to(Y.dtype.element_ty).to(tl.float32)
+    return xhat
+
+
+@triton.jit
 def _rms_norm_fwd_kernel(
     X, RES, H, W, Y, RSTD,
     stride_x_row, stride_res_row, stride_y_row, n_rows, n_cols, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_IN_REGISTERS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    CAST_XHAT: tl.constexpr,
 ):
     # ---- which rows: BLOCK_M consecutive rows per program (Y and H are contiguous: row stride stride_y_row)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -77,7 +91,7 @@ def _rms_norm_fwd_kernel(
         w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
         # ---- compute
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
-        y = x * rstd[:, None] * w[None, :]
+        y = _normalised(x, rstd, Y, CAST_XHAT) * w[None, :]
         # ---- store
         tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     else:
@@ -94,7 +108,7 @@ def _rms_norm_fwd_kernel(
             mask = row_mask[:, None] & col_mask[None, :]
             x = _load_input(X, RES, H, x_rows, res_rows, h_rows, start + cols[None, :], mask, False, HAS_RESIDUAL)
             w = tl.load(W + start + cols, mask=col_mask, other=0.0).to(tl.float32)
-            y = x * rstd[:, None] * w[None, :]
+            y = _normalised(x, rstd, Y, CAST_XHAT) * w[None, :]
             tl.store(y_rows + start + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
     tl.store(RSTD + rows, rstd, mask=row_mask)
@@ -116,6 +130,7 @@ def _rms_norm_bwd_kernel(
     DY, X, W, RSTD, DX, DW_PARTIAL, DH,
     stride_dy_row, stride_x_row, stride_dx_row, stride_dh_row, n_rows, n_cols, blocks_per_program,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_IN_REGISTERS: tl.constexpr, HAS_DH: tl.constexpr,
+    CAST_XHAT: tl.constexpr,
 ):
     # HAS_DH (add_rms_norm): X holds h = x + residual, and dL/dh from h's other uses is added to dx
     # Grid-stride loop: program p handles row blocks p, p + P, p + 2P, ... and owns row p of DW_PARTIAL.
@@ -144,7 +159,7 @@ def _rms_norm_bwd_kernel(
             dx = (g - xhat * mean_gx[:, None]) * rstd[:, None]
             if HAS_DH:
                 dx += tl.load(DH + rows64 * stride_dh_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            dw_acc += tl.sum(dy * xhat, axis=0)
+            dw_acc += tl.sum(dy * _normalised(x, rstd, DX, CAST_XHAT), axis=0)
             # ---- store
             tl.store(DX + rows64 * stride_dx_row + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         tl.store(dw_row + cols, dw_acc, mask=col_mask)
@@ -174,7 +189,8 @@ def _rms_norm_bwd_kernel(
                                   other=0.0).to(tl.float32)
                 tl.store(DX + rows64 * stride_dx_row + start + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
                 dw = tl.load(dw_row + start + cols, mask=col_mask, other=0.0)
-                tl.store(dw_row + start + cols, dw + tl.sum(dy * xhat, axis=0), mask=col_mask)
+                tl.store(dw_row + start + cols, dw + tl.sum(dy * _normalised(x, rstd, DX, CAST_XHAT), axis=0),
+                         mask=col_mask)
 
 
 @triton.jit
@@ -225,7 +241,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
     check_device("rms_norm", x, weight)
 
 
-def _launch_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def _launch_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                    cast_xhat: bool = False):
     """``(y, h, rstd)``; ``h = x + residual`` (contiguous, x's dtype) only when a residual is given."""
     x_rows = as_rows(x)
     n_rows, n_cols = x_rows.shape
@@ -238,13 +255,13 @@ def _launch_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torc
         grid = (triton.cdiv(n_rows, cfg["BLOCK_M"]),)
         _rms_norm_fwd_kernel[grid](x_rows, res_rows, h if h is not None else y, weight, y, rstd,
                                    x_rows.stride(0), res_rows.stride(0), n_cols, n_rows, n_cols, float(eps),
-                                   HAS_RESIDUAL=residual is not None, **cfg)
+                                   HAS_RESIDUAL=residual is not None, CAST_XHAT=cast_xhat, **cfg)
     return y, h, rstd
 
 
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_xhat: bool = False):
     """Returns ``(y, rstd)``: y like x, rstd fp32 ``[rows]``."""
-    y, _, rstd = _launch_forward(x, None, weight, eps)
+    y, _, rstd = _launch_forward(x, None, weight, eps, cast_xhat)
     return y, rstd
 
 
@@ -254,7 +271,7 @@ def add_rms_norm_forward(x: torch.Tensor, residual: torch.Tensor, weight: torch.
 
 
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                      dh: torch.Tensor | None = None):
+                      dh: torch.Tensor | None = None, cast_xhat: bool = False):
     """Returns ``(dx, dweight)``. With ``dh`` (add_rms_norm: x is the saved h), ``dx = dL/dh`` includes it."""
     x_rows, dy_rows = as_rows(x), as_rows(dy)
     dh_rows = as_rows(dh) if dh is not None else dy_rows
@@ -270,7 +287,8 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     if n_rows:
         _rms_norm_bwd_kernel[(n_programs,)](
             dy_rows, x_rows, weight, rstd, dx, dw_partial, dh_rows, dy_rows.stride(0), x_rows.stride(0), n_cols,
-            dh_rows.stride(0), n_rows, n_cols, triton.cdiv(n_blocks, n_programs), HAS_DH=dh is not None, **cfg)
+            dh_rows.stride(0), n_rows, n_cols, triton.cdiv(n_blocks, n_programs), HAS_DH=dh is not None,
+            CAST_XHAT=cast_xhat, **cfg)
     dweight = torch.empty(n_cols, dtype=weight.dtype, device=weight.device)
     block_n = min(1024, next_pow2(n_cols))
     _column_sum_kernel[(triton.cdiv(n_cols, block_n),)](dw_partial, dweight, n_programs, n_cols,
@@ -282,24 +300,25 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
 # torch.library custom ops: opaque to torch.compile, so a fused model traces with fullgraph=True
 # ----------------------------------------------------------------------------------------------------
 @torch.library.custom_op("tritonlm::rms_norm_fwd", mutates_args=())
-def _rms_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return rms_norm_forward(x, weight, eps)
+def _rms_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     cast_xhat: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    return rms_norm_forward(x, weight, eps, cast_xhat)
 
 
 @_rms_norm_fwd_op.register_fake
-def _(x, weight, eps):
+def _(x, weight, eps, cast_xhat=False):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(rows, dtype=torch.float32)
 
 
 @torch.library.custom_op("tritonlm::rms_norm_bwd", mutates_args=())
 def _rms_norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                     rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return rms_norm_backward(dy, x, weight, rstd)
+                     rstd: torch.Tensor, cast_xhat: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    return rms_norm_backward(dy, x, weight, rstd, cast_xhat=cast_xhat)
 
 
 @_rms_norm_bwd_op.register_fake
-def _(dy, x, weight, rstd):
+def _(dy, x, weight, rstd, cast_xhat=False):
     return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
 
 
@@ -308,11 +327,12 @@ class RMSNormFunction(torch.autograd.Function):
     custom ops above; in eager mode the launchers directly (no dispatcher overhead)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5):
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, cast_xhat: bool = False):
         fwd = _rms_norm_fwd_op if use_custom_op(x) else rms_norm_forward
         with kernel_range("tritonlm::rms_norm_fwd"):
-            y, rstd = fwd(x, weight, eps)
+            y, rstd = fwd(x, weight, eps, cast_xhat)
         ctx.save_for_backward(x, weight, rstd)
+        ctx.cast_xhat = cast_xhat
         return y
 
     @staticmethod
@@ -321,14 +341,17 @@ class RMSNormFunction(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         bwd = _rms_norm_bwd_op if use_custom_op(x) else rms_norm_backward
         with kernel_range("tritonlm::rms_norm_bwd"):
-            dx, dweight = bwd(dy, x, weight, rstd)
-        return dx, dweight, None
+            dx, dweight = bwd(dy, x, weight, rstd, cast_xhat=ctx.cast_xhat)
+        return dx, dweight, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
-    """Fused RMSNorm of ``x[..., d_model]`` with ``weight[d_model]``; returns x's dtype."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *, cast_xhat: bool = False) -> torch.Tensor:
+    """Fused RMSNorm of ``x[..., d_model]`` with ``weight[d_model]``; returns x's dtype.
+
+    ``cast_xhat=True`` follows Hugging Face Llama's casting: ``weight * (x * rstd).to(x.dtype)`` (the normalised
+    row is rounded to x's dtype before the weight multiply; the same as the default in fp32)."""
     _check(x, weight)
-    return RMSNormFunction.apply(x, weight, eps)
+    return RMSNormFunction.apply(x, weight, eps, cast_xhat)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Rotary position embedding on interleaved pairs, q and k rotated in one launch.
+"""Rotary position embedding on interleaved pairs (or Hugging Face's half-split pairs), q and k in one launch.
 
 Pair ``i`` of a head vector, ``(x[2i], x[2i+1])``, at position ``m`` is rotated by ``m * theta**(-2i/d)``::
 
@@ -13,7 +13,8 @@ rotation (``sin -> -sin``), the same kernel with ``INVERSE``.
 Inputs are ``[..., seq, d]`` with any leading dims, viewed as ``[batch, heads, seq, d]`` with separate
 batch and head strides, so the ``[batch, heads, seq, d]`` view of a ``[batch, seq, heads*d]`` projection is
 read in place. Each program loads a ``[BLOCK_S, d]`` tile as contiguous rows (vectorised loads) and
-splits even/odd lanes in registers.
+splits even/odd lanes in registers. The half-split layout (``HALF_SPLIT``, pairs ``(x[i], x[i + d/2])`` as in
+Hugging Face's ``rotate_half``) loads the two halves as two contiguous tiles instead.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _rope_kernel(
     stride_qob, stride_qoh, stride_qos, stride_kob, stride_koh, stride_kos,
     stride_pb, stride_ph, stride_ps,
     n_heads, bh_start, seq_len, d_head,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, INVERSE: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, INVERSE: tl.constexpr, HALF_SPLIT: tl.constexpr,
 ):
     # grid: (seq blocks, batch*heads from bh_start, 1 for q only / 2 for q and k)
     pid_s = tl.program_id(0)
@@ -60,21 +61,17 @@ def _rope_kernel(
     mask = s_mask[:, None] & (cols[None, :] < d_head)
 
     # ---- positions -> cos/sin of each (position, pair): the table row of a position is contiguous,
-    # so load [BLOCK_S, BLOCK_D/2] (vectorised), then repeat each pair's value on its two lanes
+    # so load [BLOCK_S, BLOCK_D/2] (vectorised); the interleaved layout repeats each value on its pair's two lanes
     pos = tl.load(POS + b * stride_pb + h * stride_ph + s.to(tl.int64) * stride_ps, mask=s_mask, other=0)
     half = d_head // 2
     pairs = tl.arange(0, BLOCK_D // 2)
     table = pos[:, None].to(tl.int64) * half + pairs[None, :]
     table_mask = s_mask[:, None] & (pairs[None, :] < half)
-    cos_half = tl.load(COS + table, mask=table_mask, other=1.0)
-    sin_half = tl.load(SIN + table, mask=table_mask, other=0.0)
-    cos = tl.reshape(tl.join(cos_half, cos_half), (BLOCK_S, BLOCK_D))
-    sin = tl.reshape(tl.join(sin_half, sin_half), (BLOCK_S, BLOCK_D))
+    # (tables may come in a 16-bit dtype, as HF's per-token cos/sin do: the math is fp32 either way)
+    cos_half = tl.load(COS + table, mask=table_mask, other=1.0).to(tl.float32)
+    sin_half = tl.load(SIN + table, mask=table_mask, other=0.0).to(tl.float32)
     if INVERSE:
-        sin = -sin
-    # each lane's partner is the other lane of its pair: x[c ^ 1]; even lanes subtract x_odd*sin,
-    # odd lanes add x_even*sin, so sign = -1 on even lanes, +1 on odd lanes
-    sign = tl.where(cols % 2 == 0, -1.0, 1.0)
+        sin_half = -sin_half
 
     # ---- q (program axis 2 == 0) or k (== 1)
     if tl.program_id(2) == 0:
@@ -85,12 +82,31 @@ def _rope_kernel(
         src = K + b * stride_kb + h * stride_kh
         dst = K_OUT + b * stride_kob + h * stride_koh
         src_s, dst_s = stride_ks, stride_kos
-    x = tl.load(src + rows * src_s + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    # swap the two lanes of every pair in registers: [S, D] -> [S, D/2, 2] -> flip -> [S, D]
-    even, odd = tl.split(tl.reshape(x, (BLOCK_S, BLOCK_D // 2, 2)))
-    partner = tl.reshape(tl.join(odd, even), (BLOCK_S, BLOCK_D))
-    out = x * cos + sign[None, :] * partner * sin
-    tl.store(dst + rows * dst_s + cols[None, :], out.to(Q_OUT.dtype.element_ty), mask=mask)
+
+    if HALF_SPLIT:
+        # ---- half-split layout (Hugging Face's rotate_half): pair i is (x[i], x[i + d/2]); each half is a
+        # contiguous [BLOCK_S, BLOCK_D/2] load, so no lane shuffles are needed
+        first = src + rows * src_s + pairs[None, :]
+        x1 = tl.load(first, mask=table_mask, other=0.0).to(tl.float32)
+        x2 = tl.load(first + half, mask=table_mask, other=0.0).to(tl.float32)
+        out1 = x1 * cos_half - x2 * sin_half
+        out2 = x2 * cos_half + x1 * sin_half
+        out_first = dst + rows * dst_s + pairs[None, :]
+        tl.store(out_first, out1.to(Q_OUT.dtype.element_ty), mask=table_mask)
+        tl.store(out_first + half, out2.to(Q_OUT.dtype.element_ty), mask=table_mask)
+    else:
+        # ---- interleaved layout: repeat each pair's cos/sin on its two lanes
+        cos = tl.reshape(tl.join(cos_half, cos_half), (BLOCK_S, BLOCK_D))
+        sin = tl.reshape(tl.join(sin_half, sin_half), (BLOCK_S, BLOCK_D))
+        # each lane's partner is the other lane of its pair: x[c ^ 1]; even lanes subtract x_odd*sin,
+        # odd lanes add x_even*sin, so sign = -1 on even lanes, +1 on odd lanes
+        sign = tl.where(cols % 2 == 0, -1.0, 1.0)
+        x = tl.load(src + rows * src_s + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        # swap the two lanes of every pair in registers: [S, D] -> [S, D/2, 2] -> flip -> [S, D]
+        even, odd = tl.split(tl.reshape(x, (BLOCK_S, BLOCK_D // 2, 2)))
+        partner = tl.reshape(tl.join(odd, even), (BLOCK_S, BLOCK_D))
+        out = x * cos + sign[None, :] * partner * sin
+        tl.store(dst + rows * dst_s + cols[None, :], out.to(Q_OUT.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -115,8 +131,9 @@ def _launch_config(d_head: int) -> dict:
 
 
 def rope_forward(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                 positions: torch.Tensor, inverse: bool = False):
-    """Rotate ``q`` (and ``k``, same shape) at ``positions`` (broadcastable to ``q.shape[:-1]``)."""
+                 positions: torch.Tensor, inverse: bool = False, half_split: bool = False):
+    """Rotate ``q`` (and ``k``, same shape) at ``positions`` (broadcastable to ``q.shape[:-1]``); ``half_split``
+    pairs ``(x[i], x[i + d/2])`` instead of ``(x[2i], x[2i+1])``."""
     tensors = [q] if k is None else [q, k]
     views = [as_4d(t) for t in tensors]
     outs, out_views = [], []
@@ -141,19 +158,19 @@ def rope_forward(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin
                 qv.stride(0), qv.stride(1), qv.stride(2), kv.stride(0), kv.stride(1), kv.stride(2),
                 qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
                 pos.stride(0), pos.stride(1), pos.stride(2),
-                h, bh_start, s, d, INVERSE=inverse, **cfg)
+                h, bh_start, s, d, INVERSE=inverse, HALF_SPLIT=half_split, **cfg)
     return outs[0], (outs[1] if k is not None else None)
 
 
 @torch.library.custom_op("tritonlm::rope", mutates_args=())
 def _rope_op(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-             positions: torch.Tensor, inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    q_out, k_out = rope_forward(q, k, cos, sin, positions, inverse)
+             positions: torch.Tensor, inverse: bool, half_split: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    q_out, k_out = rope_forward(q, k, cos, sin, positions, inverse, half_split)
     return q_out, (k_out if k_out is not None else q.new_empty(0))
 
 
 @_rope_op.register_fake
-def _(q, k, cos, sin, positions, inverse):
+def _(q, k, cos, sin, positions, inverse, half_split=False):
     return torch.empty_like(q), (torch.empty_like(k) if k is not None else q.new_empty(0))
 
 
@@ -161,14 +178,14 @@ class RoPEFunction(torch.autograd.Function):
     """Rotates q and k together; backward rotates the gradients back (nothing but positions saved)."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, positions):
+    def forward(ctx, q, k, cos, sin, positions, half_split=False):
         ctx.save_for_backward(cos, sin, positions)
-        ctx.has_k = k is not None
+        ctx.has_k, ctx.half_split = k is not None, half_split
         with kernel_range("tritonlm::rope_fwd"):
             if use_custom_op(q):
-                q_out, k_out = _rope_op(q, k, cos, sin, positions, False)
+                q_out, k_out = _rope_op(q, k, cos, sin, positions, False, half_split)
                 return q_out, (k_out if k is not None else None)
-            return rope_forward(q, k, cos, sin, positions)
+            return rope_forward(q, k, cos, sin, positions, half_split=half_split)
 
     @staticmethod
     @first_order_backward
@@ -179,17 +196,21 @@ class RoPEFunction(torch.autograd.Function):
                 dk_out = torch.zeros_like(dq_out)
             if dq_out is None:
                 dq_out = torch.zeros_like(dk_out)
-        rotate = (lambda a, b: _rope_op(a, b, cos, sin, positions, True)) if use_custom_op(dq_out) \
-            else (lambda a, b: rope_forward(a, b, cos, sin, positions, inverse=True))
+        half = ctx.half_split
+        rotate = (lambda a, b: _rope_op(a, b, cos, sin, positions, True, half)) if use_custom_op(dq_out) \
+            else (lambda a, b: rope_forward(a, b, cos, sin, positions, inverse=True, half_split=half))
         with kernel_range("tritonlm::rope_bwd"):
             dq, dk = rotate(dq_out, dk_out if ctx.has_k else None)
-        return dq, (dk if ctx.has_k else None), None, None, None
+        return dq, (dk if ctx.has_k else None), None, None, None, None
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor | None = None, token_positions: torch.Tensor | None = None,
                theta: float = 10000.0, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-               check_positions: bool = True):
+               check_positions: bool = True, layout: str = "interleaved"):
     """Rotate ``q[..., seq, d]`` and optionally ``k`` (same shape) in one launch.
+
+    ``layout``: ``"interleaved"`` rotates pairs ``(x[2i], x[2i+1])`` (this library's and CS336's RoPE);
+    ``"half"`` rotates ``(x[i], x[i + d/2])``, Hugging Face's ``rotate_half`` layout, with the same tables.
 
     ``token_positions`` broadcasts against ``q.shape[:-1]`` (e.g. ``[seq]``, or ``[batch, 1, seq]`` for
     ``[batch, heads, seq, d]``); default ``0..seq-1``. ``cos``/``sin`` tables ``[max_pos, d/2]`` (fp32) may
@@ -197,6 +218,8 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor | None = None, token_positions: 
     Returns ``q_rot`` or ``(q_rot, k_rot)``.
     """
     d = q.shape[-1]
+    if layout not in ("interleaved", "half"):
+        raise ValueError(f"apply_rope: layout must be 'interleaved' or 'half', got {layout!r}")
     if d % 2:
         raise ValueError(f"apply_rope: head dim must be even, got {d}")
     if k is not None and k.shape != q.shape:
@@ -226,5 +249,5 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor | None = None, token_positions: 
         lo, hi = int(token_positions.min()), int(token_positions.max())
         if lo < 0 or hi >= cos.shape[0]:
             raise ValueError(f"token position out of range [0, {cos.shape[0]}): saw {lo if lo < 0 else hi}")
-    q_out, k_out = RoPEFunction.apply(q, k, cos, sin, token_positions)
+    q_out, k_out = RoPEFunction.apply(q, k, cos, sin, token_positions, layout == "half")
     return q_out if k is None else (q_out, k_out)

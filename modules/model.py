@@ -46,13 +46,13 @@ def components(backend: str):
     raise ValueError(f"no components for backend {backend!r}")
 
 
-def _make_norm(kind: str, comps, d_model: int, device, dtype) -> nn.Module:
+def _make_norm(kind: str, comps, d_model: int, device, dtype, eps: float = 1e-5) -> nn.Module:
     if kind == "rmsnorm":
-        return comps.RMSNorm(d_model, device=device, dtype=dtype)
+        return comps.RMSNorm(d_model, eps, device=device, dtype=dtype)
     if kind == "layernorm":
-        return comps.LayerNorm(d_model, device=device, dtype=dtype)
+        return comps.LayerNorm(d_model, eps, device=device, dtype=dtype)
     if kind == "batchnorm":
-        return comps.BatchNorm(d_model, device=device, dtype=dtype)
+        return comps.BatchNorm(d_model, eps, device=device, dtype=dtype)
     if kind == "none":
         return nn.Identity()
     raise ValueError(f"unknown norm {kind!r}")
@@ -86,17 +86,18 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, d_model: int, num_heads: int, d_ff: int, max_seq_len: int, theta: float | None,
                  device=None, dtype=None, *, norm: str = "rmsnorm", ffn: str = "swiglu",
-                 norm_position: str = "pre", backend: str = "reference", num_kv_heads: int | None = None):
+                 norm_position: str = "pre", backend: str = "reference", num_kv_heads: int | None = None,
+                 norm_eps: float = 1e-5, rope_scaling: dict | None = None):
         super().__init__()
         if norm_position not in ("pre", "post"):
             raise ValueError(f"norm_position must be 'pre' or 'post', got {norm_position!r}")
         self.backend = resolve_backend(backend, device)
         comps = components(self.backend)
         self.norm_position = norm_position
-        self.ln1 = _make_norm(norm, comps, d_model, device, dtype)
-        self.attn = comps.MultiHeadSelfAttention(d_model, num_heads, max_seq_len, theta,
-                                                 device=device, dtype=dtype, num_kv_heads=num_kv_heads)
-        self.ln2 = _make_norm(norm, comps, d_model, device, dtype)
+        self.ln1 = _make_norm(norm, comps, d_model, device, dtype, norm_eps)
+        self.attn = comps.MultiHeadSelfAttention(d_model, num_heads, max_seq_len, theta, device=device, dtype=dtype,
+                                                 num_kv_heads=num_kv_heads, rope_scaling=rope_scaling)
+        self.ln2 = _make_norm(norm, comps, d_model, device, dtype, norm_eps)
         self.ffn = _make_ffn(ffn, comps, d_model, d_ff, device, dtype)
 
     def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None,
@@ -134,19 +135,24 @@ class TransformerLM(nn.Module):
     ``token_ids[batch, seq] -> logits[batch, seq, vocab_size]`` with ``seq <= context_length``.
     ``backend``: ``"reference"`` (einsum modules), ``"triton"`` (fused kernels) or ``"auto"``.
     Ablations: ``norm`` in rmsnorm/layernorm/batchnorm/none, ``ffn`` in swiglu/relu/silu, ``position``
-    in rope/sinusoidal/none, ``norm_position`` pre/post.
+    in rope/sinusoidal/none, ``norm_position`` pre/post. Llama-family options: ``num_kv_heads`` (grouped-query
+    attention), ``norm_eps``, ``tie_embeddings`` (``lm_head.weight`` *is* ``token_embeddings.weight``; both
+    ``state_dict`` keys stay, so untied checkpoints load too, the head's copy winning) and ``rope_scaling``
+    (Hugging Face's dict, e.g. ``{"rope_type": "llama3", "factor": 8.0, ...}``).
     """
 
     def __init__(self, vocab_size: int, context_length: int, d_model: int, num_layers: int,
                  num_heads: int, d_ff: int, rope_theta: float = 10000.0, device=None, dtype=None, *,
                  norm: str = "rmsnorm", ffn: str = "swiglu", position: str = "rope",
-                 norm_position: str = "pre", backend: str = "reference", num_kv_heads: int | None = None):
+                 norm_position: str = "pre", backend: str = "reference", num_kv_heads: int | None = None,
+                 norm_eps: float = 1e-5, tie_embeddings: bool = False, rope_scaling: dict | None = None):
         super().__init__()
         from ..config import ModelConfig
 
         # validates every size and option in one place
         self.config = ModelConfig(vocab_size, context_length, d_model, num_layers, num_heads, d_ff,
-                                  float(rope_theta), norm, ffn, position, norm_position, num_kv_heads)
+                                  float(rope_theta), norm, ffn, position, norm_position, num_kv_heads,
+                                  norm_eps, tie_embeddings, rope_scaling)
         self.backend = resolve_backend(backend, device)
         comps = components(self.backend)
         self.vocab_size, self.context_length = vocab_size, context_length
@@ -160,11 +166,20 @@ class TransformerLM(nn.Module):
         self.layers = nn.ModuleList(
             TransformerBlock(d_model, num_heads, d_ff, context_length, theta, device=device, dtype=dtype,
                              norm=norm, ffn=ffn, norm_position=norm_position, backend=self.backend,
-                             num_kv_heads=num_kv_heads)
+                             num_kv_heads=num_kv_heads, norm_eps=norm_eps, rope_scaling=rope_scaling)
             for _ in range(num_layers))
-        self.ln_final = (_make_norm(norm, comps, d_model, device, dtype) if norm_position == "pre"
+        # one RoPE module (its cos/sin tables) shared by every layer: long-context checkpoints would otherwise
+        # hold num_layers copies of [context_length, d_head / 2] tables
+        ropes = [layer.attn.rope for layer in self.layers]
+        for layer in self.layers[1:]:
+            layer.attn.rope = ropes[0]
+        self.ln_final = (_make_norm(norm, comps, d_model, device, dtype, norm_eps) if norm_position == "pre"
                          else nn.Identity())
         self.lm_head = comps.Linear(d_model, vocab_size, device=device, dtype=dtype)
+        if tie_embeddings:
+            # the shared matrix keeps the head's init (std sqrt(2 / (d_model + vocab))): the embedding's std 1
+            # would make the first logits huge
+            self.token_embeddings.weight = self.lm_head.weight
 
     @classmethod
     def from_config(cls, cfg, device=None, dtype=None, backend: str = "reference") -> TransformerLM:

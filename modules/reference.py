@@ -180,16 +180,19 @@ class RotaryPositionalEmbedding(nn.Module):
     ``m * theta**(-2i / d_k)``.
 
     The cos/sin tables (``[max_seq_len, d_k / 2]``, fp32) are non-persistent buffers: no state_dict keys.
+    ``scaling`` rescales the frequencies as Hugging Face's ``rope_scaling`` does (``"llama3"``; see
+    :func:`scaled_inv_freq`).
     """
 
-    def __init__(self, theta: float, d_k: int, max_seq_len: int, device=None):
+    def __init__(self, theta: float, d_k: int, max_seq_len: int, device=None, *, scaling: dict | None = None):
         super().__init__()
         if d_k % 2:
             raise ValueError(f"RoPE rotates pairs of features, so d_k must be even; got {d_k}")
         if max_seq_len is None or max_seq_len <= 0:
             raise ValueError(f"RoPE needs a positive max_seq_len, got {max_seq_len}")
-        self.theta, self.d_k, self.max_seq_len = float(theta), d_k, max_seq_len
-        inv_freq = self.theta ** (-torch.arange(0, d_k, 2, device=device, dtype=torch.float64) / d_k)
+        self.theta, self.d_k, self.max_seq_len, self.scaling = float(theta), d_k, max_seq_len, scaling
+        inv_freq = scaled_inv_freq(
+            self.theta ** (-torch.arange(0, d_k, 2, device=device, dtype=torch.float64) / d_k), scaling)
         angles = einsum(torch.arange(max_seq_len, device=device, dtype=torch.float64), inv_freq,
                         "pos, pair -> pos pair")
         self.register_buffer("cos_cached", torch.cos(angles).float(), persistent=False)
@@ -221,6 +224,29 @@ class RotaryPositionalEmbedding(nn.Module):
         x_even, x_odd = pairs[..., 0], pairs[..., 1]
         rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
         return rearrange(rotated, "... seq pair two -> ... seq (pair two)").to(x.dtype)
+
+
+def scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
+    """RoPE frequencies ``[d_k / 2]`` after ``scaling`` (None or ``"default"``: unchanged).
+
+    ``"llama3"`` (Llama 3.1's long-context recipe): with ``L = original_max_position_embeddings``, a frequency
+    whose wavelength ``2π / f`` exceeds ``L / low_freq_factor`` is divided by ``factor``, one shorter than
+    ``L / high_freq_factor`` is kept, and those between interpolate linearly in ``L / wavelength`` from
+    ``f / factor`` to ``f``.
+    """
+    from ..config import check_rope_scaling
+
+    if scaling is None:
+        return inv_freq
+    kind = check_rope_scaling(scaling).get("rope_type", scaling.get("type"))
+    if kind == "default":
+        return inv_freq
+    factor, low, high = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    wavelength = 2 * math.pi / inv_freq
+    # 0 for long wavelengths (fully scaled), 1 for short ones (kept), linear in between
+    keep = ((original / wavelength - low) / (high - low)).clamp(0.0, 1.0)
+    return keep * inv_freq + (1 - keep) * inv_freq / factor
 
 
 class SinusoidalPositionalEncoding(nn.Module):
@@ -358,7 +384,8 @@ class MultiHeadSelfAttention(nn.Module):
     """
 
     def __init__(self, d_model: int, num_heads: int, max_seq_len: int | None = None,
-                 theta: float | None = None, device=None, dtype=None, *, num_kv_heads: int | None = None):
+                 theta: float | None = None, device=None, dtype=None, *, num_kv_heads: int | None = None,
+                 rope_scaling: dict | None = None):
         super().__init__()
         if d_model % num_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
@@ -376,7 +403,7 @@ class MultiHeadSelfAttention(nn.Module):
         if theta is not None:
             if max_seq_len is None:
                 raise ValueError("RoPE (theta given) needs max_seq_len")
-            self.rope = RotaryPositionalEmbedding(theta, self.d_k, max_seq_len, device=device)
+            self.rope = RotaryPositionalEmbedding(theta, self.d_k, max_seq_len, device=device, scaling=rope_scaling)
         else:
             self.rope = None
 

@@ -10,6 +10,13 @@ no interpreter, tensors created on CUDA by default, and fp32 attention compared 
 
 import contextlib
 import os
+import sys
+
+# ``python -m pytest`` puts the repository root on sys.path, where this checkout's ``kernels/`` folder (installed
+# as ``tritonlm.kernels``) would shadow the unrelated top-level ``kernels`` package that transformers probes for.
+# tritonlm itself is imported from its install, so the root entry is not needed.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 
 DEVICE = os.environ.get("TRITONLM_TEST_DEVICE", "cpu")
 ON_CUDA = DEVICE.startswith("cuda")

@@ -39,7 +39,8 @@ def param_count(cfg: ModelConfig) -> int:
     # q and output projections d x d; k and v d x (kv heads x d_head) (smaller under GQA)
     per_layer = 2 * d * d + 2 * d * d_kv + _ffn_matrices(cfg) * d * cfg.d_ff + 2 * _norm_params(cfg)
     final_norm = _norm_params(cfg) if cfg.norm_position == "pre" else 0
-    return cfg.vocab_size * d + cfg.num_layers * per_layer + final_norm + d * cfg.vocab_size
+    lm_head = 0 if cfg.tie_embeddings else d * cfg.vocab_size  # tied: the embedding matrix is the head
+    return cfg.vocab_size * d + cfg.num_layers * per_layer + final_norm + lm_head
 
 
 def forward_flops(cfg: ModelConfig, seq_len: int, batch_size: int = 1) -> dict:

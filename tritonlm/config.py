@@ -11,6 +11,33 @@ POSITIONS = ("rope", "sinusoidal", "none")
 NORM_POSITIONS = ("pre", "post")
 
 
+#: RoPE scaling types :func:`check_rope_scaling` accepts, with their required fields.
+ROPE_SCALING_FIELDS = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def check_rope_scaling(scaling) -> dict:
+    """Validate a RoPE scaling dict (Hugging Face's ``rope_scaling`` format: ``rope_type`` or ``type`` names it)
+    and return it; ``{"rope_type": "default"}`` means no scaling. Other types are a one-line error."""
+    if not isinstance(scaling, dict):
+        raise ValueError(f"rope_scaling must be a dict like {{'rope_type': 'llama3', ...}}, got {scaling!r}")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "default":
+        return scaling
+    if kind not in ROPE_SCALING_FIELDS:
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: 'default', "
+                         f"{', '.join(repr(k) for k in ROPE_SCALING_FIELDS)})")
+    missing = [f for f in ROPE_SCALING_FIELDS[kind] if f not in scaling]
+    if missing:
+        raise ValueError(f"rope_scaling {kind!r} lacks {', '.join(missing)}")
+    if kind == "llama3":
+        if not scaling["factor"] > 0 or not scaling["high_freq_factor"] > scaling["low_freq_factor"] > 0:
+            raise ValueError("rope_scaling 'llama3' needs factor > 0 and high_freq_factor > low_freq_factor > 0, "
+                             f"got {scaling!r}")
+    return scaling
+
+
 def default_d_ff(d_model: int) -> int:
     """SwiGLU hidden size: 8/3 * d_model rounded to the nearest multiple of 64 (at least 64)."""
     return max(64, int(round(8 * d_model / 3 / 64)) * 64)
@@ -36,6 +63,9 @@ class ModelConfig:
     position: str = "rope"
     norm_position: str = "pre"
     num_kv_heads: int | None = None  # grouped-query attention: key/value heads (None: = num_heads)
+    norm_eps: float = 1e-5  # epsilon of every norm (Llama checkpoints use 1e-5 or 1e-6)
+    tie_embeddings: bool = False  # the LM head shares the token embedding matrix
+    rope_scaling: dict | None = None  # RoPE frequency scaling, e.g. Llama 3's {"rope_type": "llama3", ...}
 
     def __post_init__(self):
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
@@ -50,6 +80,14 @@ class ModelConfig:
                              f"got {self.num_kv_heads!r}")
         if self.position == "rope" and self.d_head % 2:
             raise ValueError(f"RoPE needs an even head dim, got d_model/num_heads = {self.d_head}")
+        if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) or not self.norm_eps > 0:
+            raise ValueError(f"ModelConfig.norm_eps must be a positive number, got {self.norm_eps!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"ModelConfig.tie_embeddings must be a bool, got {self.tie_embeddings!r}")
+        if self.rope_scaling is not None:
+            if self.position != "rope":
+                raise ValueError(f"ModelConfig.rope_scaling needs position='rope', got position={self.position!r}")
+            check_rope_scaling(self.rope_scaling)
         for name, allowed in (("norm", NORMS), ("ffn", FFNS), ("position", POSITIONS),
                               ("norm_position", NORM_POSITIONS)):
             if getattr(self, name) not in allowed:

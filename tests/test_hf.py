@@ -1,0 +1,381 @@
+"""Hugging Face interop against transformers' own Llama/Mistral models, on tiny random configs built here.
+
+Needs the optional extra (``pip install 'tritonlm[hf]'``); skipped with that reason when it is absent. The
+config-mapping errors need no extra and always run.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from tritonlm import ModelConfig, TransformerLM
+from tritonlm.hf import model_config_from_hf
+
+from conftest import DEVICE, ON_CUDA
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+SIZES = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+             vocab_size=300, max_position_embeddings=64, rope_theta=500.0, rms_norm_eps=1e-6)
+
+
+def _transformers():
+    pytest.importorskip("safetensors", reason="the optional extra tritonlm[hf] (safetensors) is not installed")
+    return pytest.importorskip("transformers", reason="the optional extra tritonlm[hf] (transformers) is not installed")
+
+
+def _llama(tie=False, scaling=None, dtype=torch.float32, seed=0, **overrides):
+    transformers = _transformers()
+    torch.manual_seed(seed)
+    # (a copy: transformers adds rope_theta to the dict it is given)
+    cfg = transformers.LlamaConfig(**{**SIZES, **overrides}, rope_scaling=dict(scaling) if scaling else None,
+                                   tie_word_embeddings=tie)
+    return transformers.LlamaForCausalLM(cfg).to(dtype=dtype, device=DEVICE).eval()
+
+
+def _grads_as_hf(model: TransformerLM) -> dict:
+    from tritonlm.hf.checkpoint import state_to_hf
+
+    return state_to_hf({name: p.grad for name, p in model.named_parameters(remove_duplicate=False)}, model.config)
+
+
+# ----------------------------------------------------------------------------------------------------
+# from_pretrained / save_pretrained
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tie,scaling", [(False, None), (True, LLAMA3)], ids=["untied", "tied-llama3"])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_from_pretrained_matches_transformers(tmp_path, tie, scaling, backend):
+    from tritonlm import hf
+
+    theirs = _llama(tie, scaling)
+    theirs.save_pretrained(tmp_path)
+    ours = hf.from_pretrained(tmp_path, backend=backend, device=DEVICE, dtype=torch.float32)
+    assert ours.config.tie_embeddings == tie and ours.config.num_kv_heads == 2 and ours.config.norm_eps == 1e-6
+    ids = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    # logits, and the loss HF computes from labels (it shifts them: position t predicts ids[t + 1])
+    expected = theirs(ids, labels=ids)
+    torch.testing.assert_close(ours(ids), expected.logits, atol=2e-5, rtol=1e-4)
+    loss = ours.loss(ids[:, :-1], ids[:, 1:])
+    torch.testing.assert_close(loss, expected.loss, atol=2e-5, rtol=1e-5)
+    # gradients of every weight, ours mapped back to HF names (q/k rows un-permuted)
+    expected.loss.backward()
+    loss.backward()
+    ours_grads = _grads_as_hf(ours)
+    for name, p in theirs.named_parameters():
+        if name == "lm_head.weight" and tie:
+            continue  # the same tensor as the embedding (its gradient holds both uses)
+        torch.testing.assert_close(ours_grads[name], p.grad, atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_llama3_scaling_changes_long_positions(tmp_path):
+    """The scaled frequencies matter at these positions (else the test above would not check them)."""
+    from tritonlm import hf
+
+    _llama(scaling=LLAMA3).save_pretrained(tmp_path)
+    scaled = hf.from_pretrained(tmp_path, backend="reference", dtype=torch.float32)
+    plain = TransformerLM.from_config(scaled.config.replace(rope_scaling=None))
+    plain.load_state_dict(scaled.state_dict())
+    ids = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(2))
+    assert (scaled(ids) - plain(ids)).abs().max() > 1e-3
+
+
+def test_save_pretrained_round_trip(tmp_path):
+    transformers = _transformers()
+    from tritonlm import hf
+
+    cfg = ModelConfig(vocab_size=300, context_length=48, d_model=64, num_layers=2, num_heads=4, d_ff=96,
+                      rope_theta=500.0, num_kv_heads=1, norm_eps=1e-6, tie_embeddings=True, rope_scaling=LLAMA3)
+    torch.manual_seed(3)
+    ours = TransformerLM.from_config(cfg, device=DEVICE)
+    with torch.no_grad():  # non-trivial norm weights, so a swapped norm would show
+        for name, p in ours.named_parameters():
+            if name.endswith(("ln1.weight", "ln2.weight", "ln_final.weight")):
+                p.uniform_(0.5, 1.5)
+    hf.save_pretrained(ours, tmp_path)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).to(DEVICE).eval()
+    assert type(theirs).__name__ == "LlamaForCausalLM"
+    ids = torch.randint(0, 300, (2, 30), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    torch.testing.assert_close(theirs(ids).logits, ours(ids), atol=2e-5, rtol=1e-4)
+    back = hf.from_pretrained(tmp_path, backend="reference", device=DEVICE)
+    assert back.config == cfg
+    for (name, a), b in zip(ours.state_dict().items(), back.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_sharded_checkpoint_and_dtype(tmp_path):
+    from tritonlm import hf
+
+    theirs = _llama(dtype=torch.bfloat16)
+    theirs.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    ours = hf.from_pretrained(tmp_path, backend="reference", device=DEVICE)  # dtype from the checkpoint
+    assert ours.lm_head.weight.dtype == torch.bfloat16
+    ids = torch.randint(0, 300, (1, 12)).to(DEVICE)
+    torch.testing.assert_close(ours(ids).float(), theirs(ids).logits.float(), atol=0.05, rtol=0.05)
+
+
+def test_greedy_generation_equals_transformers(tmp_path):
+    from tritonlm import hf
+
+    theirs = _llama(seed=5)
+    theirs.save_pretrained(tmp_path)
+    ours = hf.from_pretrained(tmp_path, backend="reference", device=DEVICE, dtype=torch.float32)
+    prompt = torch.randint(0, 300, (1, 6), generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    expected = theirs.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    got = ours.generate(prompt, max_new_tokens=12, temperature=0)
+    assert got.tolist() == expected.tolist()
+
+
+def test_mistral_sliding_window(tmp_path):
+    """Context capped at the window (where windowed attention is causal attention); apply_kernels runs the
+    window itself on longer inputs."""
+    transformers = _transformers()
+    from tritonlm import hf
+
+    torch.manual_seed(7)
+    cfg = transformers.MistralConfig(**SIZES, sliding_window=8)
+    theirs = transformers.MistralForCausalLM(cfg).to(DEVICE).eval()
+    theirs.save_pretrained(tmp_path)
+    ours = hf.from_pretrained(tmp_path, backend="reference", device=DEVICE, dtype=torch.float32)
+    assert ours.context_length == 8
+    ids = torch.randint(0, 300, (2, 8)).to(DEVICE)
+    torch.testing.assert_close(ours(ids), theirs(ids).logits, atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="sliding_window"):
+        hf.from_pretrained(tmp_path, backend="reference", context_length=16)
+    long_ids = torch.randint(0, 300, (2, 19)).to(DEVICE)
+    expected = theirs(long_ids).logits
+    patched = hf.apply_kernels(copy.deepcopy(theirs))
+    torch.testing.assert_close(patched(long_ids).logits, expected, atol=2e-5, rtol=1e-4)
+
+
+def _error(cfg_changes: dict, drop=()):
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **SIZES, **cfg_changes}
+    for key in drop:
+        cfg.pop(key)
+    with pytest.raises(ValueError) as info:
+        model_config_from_hf(cfg)
+    return str(info.value)
+
+
+def test_config_mapping_errors_name_the_field():
+    assert "attention_bias" in _error({"attention_bias": True})
+    assert "mlp_bias" in _error({"mlp_bias": True})
+    assert "yarn" in _error({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    assert "model_type" in _error({"model_type": "gpt2"})
+    assert "architectures" in _error({"architectures": ["LlamaForSequenceClassification"]})
+    assert "hidden_act" in _error({"hidden_act": "gelu"})
+    assert "head_dim" in _error({"head_dim": 32})
+    assert "intermediate_size" in _error({}, drop=["intermediate_size"])
+    assert "original_max_position_embeddings" in _error({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    # both rope config styles read the same
+    v5 = model_config_from_hf({"model_type": "llama", **{k: v for k, v in SIZES.items() if k != "rope_theta"},
+                               "rope_parameters": {"rope_type": "llama3", "rope_theta": 500.0, **LLAMA3}})
+    v4 = model_config_from_hf({"model_type": "llama", **SIZES, "rope_scaling": LLAMA3})
+    assert v5 == v4 and v4.rope_theta == 500.0 and v4.rope_scaling["factor"] == 8.0
+
+
+def test_checkpoint_with_biases_is_refused(tmp_path):
+    from tritonlm import hf
+
+    theirs = _llama(attention_bias=True)
+    theirs.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="attention_bias"):
+        hf.from_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        hf.from_pretrained(tmp_path / "nowhere")
+
+
+# ----------------------------------------------------------------------------------------------------
+# apply_kernels
+# ----------------------------------------------------------------------------------------------------
+def _loss_and_grads(model, ids, labels, mask=None):
+    model.zero_grad(set_to_none=True)
+    out = model(ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.detach().float() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_kernels_matches_unpatched(dtype, monkeypatch):
+    from tritonlm import hf
+    from tritonlm.hf import patch
+
+    base = _llama(dtype=dtype, seed=8)
+    patched = hf.apply_kernels(copy.deepcopy(base))
+    calls = {"attention": 0}
+    real_attention = patch.tritonlm_attention
+
+    def counting(*args, **kwargs):
+        calls["attention"] += 1
+        return real_attention(*args, **kwargs)
+
+    from transformers import AttentionInterface
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "tritonlm", counting)
+    assert patched.model.layers[0].mlp._tritonlm_patch == "swiglu"
+    assert patched.model.norm._tritonlm_patch == "rms_norm"
+    assert patched.config._attn_implementation == "tritonlm"
+    gen = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, 300, (2, 13), generator=gen).to(DEVICE)
+    labels = ids.clone()
+    labels[0, :4] = -100
+    labels[1, -3:] = -100
+
+    # eval: logits, with and without left padding (compared where HF's output is meaningful: real tokens)
+    with torch.no_grad():
+        got, expected = patched(ids).logits, base(ids).logits
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0
+        got_pad, expected_pad = patched(ids, attention_mask=mask).logits, base(ids, attention_mask=mask).logits
+    assert calls["attention"] == 4  # two layers, two forwards
+    tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.05, rtol=0.05)
+    torch.testing.assert_close(got.float(), expected.float(), **tol)
+    valid = mask.bool()
+    torch.testing.assert_close(got_pad[valid].float(), expected_pad[valid].float(), **tol)
+
+    # training: loss with ignored labels, gradients of every weight
+    patched.train()
+    base.train()
+    loss, grads = _loss_and_grads(patched, ids, labels)
+    assert patched(ids, labels=labels).logits is None  # training never forms the logits
+    loss_ref, grads_ref = _loss_and_grads(base, ids, labels)
+    if dtype == torch.float32:
+        torch.testing.assert_close(loss, loss_ref, atol=2e-5, rtol=1e-5)
+        for name in grads_ref:
+            torch.testing.assert_close(grads[name], grads_ref[name], atol=2e-5, rtol=1e-4, msg=name)
+    else:
+        # bf16: each side against the fp32 model, the patched one no further off than HF's own bf16 run
+        exact = _llama(dtype=torch.float32, seed=8).train()
+        loss_32, grads_32 = _loss_and_grads(exact, ids, labels)
+        assert abs(loss.float() - loss_32) <= 2 * abs(loss_ref.float() - loss_32) + 1e-2
+        for name, g32 in grads_32.items():
+            err = (grads[name] - g32).norm() / g32.norm()
+            err_ref = (grads_ref[name] - g32).norm() / g32.norm()
+            assert err <= 2 * err_ref + 0.02, (name, err, err_ref)
+
+
+def test_apply_kernels_generation_and_removal():
+    from tritonlm import hf
+
+    base = _llama(seed=10)
+    patched = hf.apply_kernels(copy.deepcopy(base))
+    prompt = torch.randint(0, 300, (2, 5), generator=torch.Generator().manual_seed(11)).to(DEVICE)
+    kw = dict(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert patched.generate(prompt, **kw).tolist() == base.generate(prompt, **kw).tolist()
+    # num_items_in_batch (HF Trainer's gradient-accumulation normalisation): the summed loss over that count
+    ids = prompt.repeat(1, 3)
+    labels = ids.clone()
+    torch.testing.assert_close(patched(ids, labels=labels, num_items_in_batch=7).loss,
+                               base(ids, labels=labels, num_items_in_batch=7).loss, atol=2e-5, rtol=1e-5)
+    previous = base.config._attn_implementation
+    hf.remove_kernels(patched)
+    assert patched.config._attn_implementation == previous
+    assert not any(hasattr(m, "_tritonlm_patch") for m in patched.modules())
+    with torch.no_grad():
+        assert torch.equal(patched(ids).logits, base(ids).logits)
+
+
+def test_apply_kernels_refuses_other_models():
+    transformers = _transformers()
+    from tritonlm import hf
+
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match="model_type='gpt2'"):
+        hf.apply_kernels(gpt2)
+    with pytest.raises(ValueError, match="hidden_act"):
+        hf.apply_kernels(_llama(hidden_act="gelu"))
+
+
+@pytest.mark.skipif(ON_CUDA, reason="checks the interpreter's half-split kernel against the formula on CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rope_half_split_layout(dtype):
+    """``layout="half"`` against HF's formula (``q·cos + rotate_half(q)·sin``) in fp64, forward and backward, on a
+    non-contiguous [batch, heads, seq, d] view with odd sizes and 16-bit tables."""
+    from tritonlm.kernels import apply_rope, rope_tables
+
+    def rotate_half(x):
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    gen = torch.Generator().manual_seed(12)
+    base = torch.randn(3, 7, 5, 12, generator=gen)  # [batch, seq, heads, d]
+    q = base.to(dtype).transpose(1, 2).requires_grad_()
+    positions = torch.tensor([0, 3, 9, 4, 11, 2, 30])
+    cos, sin = (t.to(dtype) for t in rope_tables(10000.0, 12, 32))  # tables in q's dtype, as HF makes them
+    out = apply_rope(q, None, positions, cos=cos, sin=sin, layout="half")
+    c = torch.cat([cos[positions]] * 2, dim=-1).double()
+    s = torch.cat([sin[positions]] * 2, dim=-1).double()
+    q64 = q.detach().double().requires_grad_()
+    expected = q64 * c + rotate_half(q64) * s
+    tol = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+    grad = torch.randn(out.shape, generator=gen).to(dtype)
+    out.backward(grad)
+    expected.backward(grad.double())
+    torch.testing.assert_close(q.grad.double(), q64.grad, atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="layout"):
+        apply_rope(q, None, positions, cos=cos, sin=sin, layout="halves")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rms_norm_hf_casting(dtype):
+    """``cast_xhat=True``: HF Llama's ``weight * (x * rstd).to(x.dtype)`` computed here in fp64 from the same
+    rounding points; gradients against autograd through that formula."""
+    from tritonlm.kernels import rms_norm
+
+    gen = torch.Generator().manual_seed(13)
+    x = (torch.randn(2, 5, 37, generator=gen) * 3).to(dtype)[:, ::2].requires_grad_()  # non-contiguous rows
+    w = (1 + torch.randn(37, generator=gen) / 4).to(dtype).requires_grad_()
+    y = rms_norm(x, w, 1e-6, cast_xhat=True)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    xhat = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
+    expected = w64 * xhat.to(dtype).double()  # the rounding HF does before the weight multiply
+    tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    torch.testing.assert_close(y.double(), expected, atol=tol, rtol=tol)
+    grad = torch.randn(y.shape, generator=gen).to(dtype)
+    y.backward(grad)
+    # HF's graph: the cast is the identity for gradients, dweight sums dy times the rounded xhat
+    (w64 * (xhat + (xhat.to(dtype).double() - xhat).detach())).backward(grad.double())
+    torch.testing.assert_close(x.grad.double(), x64.grad, atol=tol * 4, rtol=tol * 4)
+    torch.testing.assert_close(w.grad.double(), w64.grad, atol=tol * 4, rtol=tol * 4)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the model options real checkpoints need
+# ----------------------------------------------------------------------------------------------------
+def test_model_options_defaults_and_tying():
+    cfg = ModelConfig(vocab_size=50, context_length=16, d_model=32, num_layers=2, num_heads=4, d_ff=64)
+    assert (cfg.norm_eps, cfg.tie_embeddings, cfg.rope_scaling) == (1e-5, False, None)
+    cs336 = TransformerLM.from_config(cfg)
+    tied = TransformerLM.from_config(cfg.replace(tie_embeddings=True, norm_eps=1e-6))
+    assert tied.lm_head.weight is tied.token_embeddings.weight
+    assert all(m.eps == 1e-6 for m in tied.modules() if hasattr(m, "eps"))
+    # one RoPE module (its tables) shared by every layer
+    assert tied.layers[0].attn.rope is tied.layers[1].attn.rope
+    # a CS336 (untied) state_dict loads: both keys present, the head's matrix is the one that stays
+    tied.load_state_dict(cs336.state_dict())
+    assert torch.equal(tied.token_embeddings.weight, cs336.lm_head.weight)
+    from tritonlm.accounting import param_count
+
+    assert param_count(cfg.replace(tie_embeddings=True)) == sum(p.numel() for p in tied.parameters())
+    assert param_count(cfg) == sum(p.numel() for p in cs336.parameters())
+    with pytest.raises(ValueError, match="dynamic"):
+        cfg.replace(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match="norm_eps"):
+        cfg.replace(norm_eps=0.0)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_tied_model_trains_both_uses(backend):
+    """The shared matrix gets the gradient of both uses: equal to an untied model's two gradients summed."""
+    cfg = ModelConfig(vocab_size=50, context_length=16, d_model=32, num_layers=1, num_heads=4, d_ff=64,
+                      tie_embeddings=True, rope_scaling=LLAMA3)
+    tied = TransformerLM.from_config(cfg, backend=backend, device=DEVICE)
+    untied = TransformerLM.from_config(cfg.replace(tie_embeddings=False), backend=backend, device=DEVICE)
+    untied.load_state_dict(tied.state_dict())
+    ids = torch.randint(0, 50, (2, 9)).to(DEVICE)
+    tied.loss(ids[:, :-1], ids[:, 1:]).backward()
+    untied.loss(ids[:, :-1], ids[:, 1:]).backward()
+    torch.testing.assert_close(tied.lm_head.weight.grad,
+                               untied.lm_head.weight.grad + untied.token_embeddings.weight.grad, atol=1e-6, rtol=1e-5)

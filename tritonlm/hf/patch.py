@@ -1,0 +1,251 @@
+"""``apply_kernels``: run a Hugging Face Llama/Mistral model instance through tritonlm's kernels, in place.
+
+What each switch replaces (every patch is an instance-level ``forward``, so parameters, ``state_dict``, the class
+and ``save_pretrained`` are untouched, and :func:`remove_kernels` undoes it):
+
+* ``rms_norm``: every ``*RMSNorm`` -> :func:`tritonlm.kernels.rms_norm` with HF's casting
+  (``weight * (x * rstd).to(x.dtype)``).
+* ``rope``: each attention layer's ``apply_rotary_pos_emb`` -> the RoPE kernel in half-split layout on the
+  cos/sin HF computed (its rotary module, scaling included, stays in charge of the angles).
+* ``swiglu``: each ``*MLP`` -> ``down_proj(swiglu_gate(gate_proj(x), up_proj(x)))``.
+* ``attention``: the model's attention implementation -> ``"tritonlm"``, registered in transformers'
+  ``AttentionInterface``: flash attention with GQA (K/V never repeated), sliding windows, and padding masks as
+  packed variable-length sequences.
+* ``loss``: ``forward(..., labels=...)`` -> the fused linear cross-entropy on the final hidden states; the
+  ``[batch, seq, vocab]`` logits are never formed in training (``logits`` is then ``None``; in eval mode they
+  are computed as well).
+"""
+
+from __future__ import annotations
+
+import threading
+from types import MethodType
+
+import torch
+import torch.nn.functional as F
+
+MODEL_TYPES = ("llama", "mistral")
+ATTENTION_NAME = "tritonlm"
+
+_state = threading.local()  # depth of patched attention forwards on this thread (routes apply_rotary_pos_emb)
+_ORIGINAL_ROTARY: dict = {}  # modeling module -> its own apply_rotary_pos_emb
+
+
+def _kernels():
+    from .. import kernels
+
+    return kernels
+
+
+# ----------------------------------------------------------------------------------------------------
+# replacement forwards
+# ----------------------------------------------------------------------------------------------------
+def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    return _kernels().rms_norm(hidden_states, self.weight, self.variance_epsilon, cast_xhat=True)
+
+
+def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return self.down_proj(_kernels().swiglu_gate(self.gate_proj(x), self.up_proj(x)))
+
+
+def _rope_half_split(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """HF's ``apply_rotary_pos_emb(q, k, cos, sin)`` on ``q[b, heads, s, d]``, ``k[b, kv_heads, s, d]`` with
+    ``cos, sin[b or 1, s, d]`` (both halves equal, as HF builds them): the per-token tables become a
+    ``[b·s, d/2]`` table indexed by each token's row."""
+    seq, d = cos.shape[-2], cos.shape[-1]
+    cos_rows = cos.reshape(-1, seq, d)
+    table_batch = cos_rows.shape[0]
+    cos_table = cos_rows[..., : d // 2].reshape(-1, d // 2).contiguous()
+    sin_table = sin.reshape(-1, seq, d)[..., : d // 2].reshape(-1, d // 2).contiguous()
+    rows = torch.arange(table_batch * seq, device=q.device).view(table_batch, 1, seq)
+    rope = _kernels().apply_rope
+    kw = dict(cos=cos_table, sin=sin_table, check_positions=False, layout="half")
+    if q.shape == k.shape:
+        return rope(q, k, rows, **kw)
+    return rope(q, None, rows, **kw), rope(k, None, rows, **kw)
+
+
+def _rotary_dispatch(module_name: str):
+    original = _ORIGINAL_ROTARY[module_name]
+
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        # only inside a patched attention forward, and only for HF's default [b, heads, s, d] layout
+        unsqueeze_dim = args[0] if args else kwargs.get("unsqueeze_dim", 1)
+        if getattr(_state, "depth", 0) and unsqueeze_dim == 1 and q.dim() == 4:
+            return _rope_half_split(q, k, cos, sin)
+        return original(q, k, cos, sin, *args, **kwargs)
+
+    apply_rotary_pos_emb.tritonlm_dispatch = True
+    return apply_rotary_pos_emb
+
+
+def _attention_forward(self, *args, **kwargs):
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        return type(self).forward(self, *args, **kwargs)
+    finally:
+        _state.depth -= 1
+
+
+def tritonlm_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                       sliding_window=None, softcap=None, **kwargs):
+    """transformers attention function (``AttentionInterface``): ``query[b, heads, s_q, d]``, ``key, value[b,
+    kv_heads, s_k, d]``, ``attention_mask`` None (causal) or the ``[b, s_k]`` padding mask -> ``([b, s_q, heads,
+    d], None)``. Causal, bottom-right aligned (decoding against a cache works as is)."""
+    from ..kernels import flash_attn_func, flash_attn_varlen_func
+
+    if dropout:
+        raise NotImplementedError(f"tritonlm attention: attention dropout ({dropout}) is not supported")
+    if kwargs.get("output_attentions"):
+        raise NotImplementedError("tritonlm attention: output_attentions=True is not supported (P is never formed)")
+    if getattr(module, "is_causal", True) is False:
+        raise NotImplementedError("tritonlm attention: only causal attention is supported")
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [b, s, heads, d] views
+    n_k = k.shape[1]
+    window = (sliding_window - 1, 0) if sliding_window and n_k > sliding_window else (-1, -1)
+    opts = dict(softmax_scale=scaling, causal=True, window_size=window, softcap=softcap or 0.0)
+    if attention_mask is None:
+        return flash_attn_func(q, k, v, **opts), None
+    if attention_mask.dim() != 2:
+        raise ValueError(f"tritonlm attention: expected a [batch, keys] padding mask, got {tuple(attention_mask.shape)}")
+    # padding -> packed sequences: each row's valid tokens, in order, are one causal sequence
+    batch, n_q, heads, d = q.shape
+    key_valid = attention_mask[:, -n_k:].bool()
+    query_valid = key_valid[:, -n_q:]
+    q_index = query_valid.reshape(-1).nonzero().squeeze(-1)
+    k_index = key_valid.reshape(-1).nonzero().squeeze(-1)
+    q_lens, k_lens = query_valid.sum(-1), key_valid.sum(-1)
+    cu_q = F.pad(q_lens.cumsum(0), (1, 0)).to(torch.int32)
+    cu_k = F.pad(k_lens.cumsum(0), (1, 0)).to(torch.int32)
+    packed = flash_attn_varlen_func(
+        q.reshape(batch * n_q, heads, d)[q_index], k.reshape(batch * n_k, -1, d)[k_index],
+        v.reshape(batch * n_k, -1, d)[k_index], cu_q, cu_k, int(q_lens.max()), int(k_lens.max()), **opts)
+    out = q.new_zeros(batch * n_q, heads, d).index_copy(0, q_index, packed)  # padded queries: zeros
+    return out.view(batch, n_q, heads, d), None
+
+
+def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
+                  **kwargs):
+    """transformers mask function for ``"tritonlm"``: None when nothing is padded, else the ``[b, kv]`` mask."""
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:]
+    if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+        return None
+    return attention_mask
+
+
+def _causal_lm_forward(self, input_ids=None, attention_mask=None, *args, labels=None, shift_labels=None,
+                       logits_to_keep=0, **kwargs):
+    original = type(self).forward
+    if labels is None and shift_labels is None:
+        return original(self, input_ids, attention_mask, *args, logits_to_keep=logits_to_keep, **kwargs)
+    if args:
+        raise TypeError("with apply_kernels(loss=True), pass arguments after attention_mask by keyword")
+    num_items = kwargs.pop("num_items_in_batch", None)
+    return_dict = kwargs.pop("return_dict", None)
+    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+    hidden = outputs[0]
+    if shift_labels is None:
+        # HF's causal-LM loss: position t predicts labels[t + 1]; the last position has no target
+        shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    loss = _kernels().linear_cross_entropy(hidden, self.lm_head.weight, shift_labels.to(hidden.device),
+                                           ignore_index=-100, reduction="sum" if num_items else "mean")
+    if num_items:
+        loss = loss / num_items
+    logits = None
+    if not self.training:
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden[:, keep, :])
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    fields = CausalLMOutputWithPast.__dataclass_fields__
+    cache_field = "cache" if "cache" in fields else "past_key_values"
+    result = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=getattr(outputs, "hidden_states", None),
+                                    attentions=getattr(outputs, "attentions", None),
+                                    **{cache_field: getattr(outputs, cache_field, None)})
+    return result.to_tuple() if return_dict is False else result
+
+
+# ----------------------------------------------------------------------------------------------------
+# patching
+# ----------------------------------------------------------------------------------------------------
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, tritonlm_attention)
+    try:
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError:  # transformers without mask interfaces build masks from the 2-D input itself
+        return
+    AttentionMaskInterface.register(ATTENTION_NAME, _padding_mask)
+
+
+def _set_attention(model, name: str) -> None:
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:
+        model.config._attn_implementation = name
+
+
+def _install_rotary_dispatch(module) -> None:
+    """Route the modeling module's ``apply_rotary_pos_emb`` through :func:`_rotary_dispatch` (once; it calls the
+    original outside patched attention layers, so unpatched models in the process are unaffected)."""
+    import importlib
+
+    name = type(module).__module__
+    modeling = importlib.import_module(name)
+    current = getattr(modeling, "apply_rotary_pos_emb", None)
+    if current is None:
+        raise NotImplementedError(f"rope=True: {name} has no apply_rotary_pos_emb to route")
+    if not getattr(current, "tritonlm_dispatch", False):
+        _ORIGINAL_ROTARY[name] = current
+        modeling.apply_rotary_pos_emb = _rotary_dispatch(name)
+
+
+def _patch(module, forward, tag: str) -> None:
+    module.forward = MethodType(forward, module)
+    module._tritonlm_patch = tag
+
+
+def apply_kernels(model, rms_norm: bool = True, rope: bool = True, swiglu: bool = True, attention: bool = True,
+                  loss: bool = True):
+    """Patch a Hugging Face Llama/Mistral model instance (``*ForCausalLM`` or the bare ``*Model``) in place with
+    tritonlm's kernels and return it. See the module docstring for what each switch replaces;
+    :func:`remove_kernels` restores the model. The kernels need CUDA tensors (or ``TRITON_INTERPRET=1``)."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"apply_kernels supports {', '.join(MODEL_TYPES)} models, got model_type={model_type!r}")
+    if swiglu and getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"swiglu=True needs hidden_act='silu', got {config.hidden_act!r}")
+    for module in model.modules():
+        name = type(module).__name__
+        if rms_norm and name.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            _patch(module, _rms_norm_forward, "rms_norm")
+        elif swiglu and name.endswith("MLP") and all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj")):
+            _patch(module, _mlp_forward, "swiglu")
+        elif rope and name.endswith("Attention") and hasattr(module, "q_proj"):
+            _install_rotary_dispatch(module)
+            _patch(module, _attention_forward, "rope")
+    if attention:
+        _register_attention()
+        model._tritonlm_previous_attention = config._attn_implementation
+        _set_attention(model, ATTENTION_NAME)
+    if loss:
+        if not hasattr(model, "lm_head"):
+            raise ValueError("loss=True needs a *ForCausalLM model (with lm_head); pass loss=False for a bare model")
+        _patch(model, _causal_lm_forward, "loss")
+    return model
+
+
+def remove_kernels(model):
+    """Undo :func:`apply_kernels` on ``model`` (every patched forward and the attention implementation)."""
+    for module in model.modules():
+        if getattr(module, "_tritonlm_patch", None):
+            del module.forward, module._tritonlm_patch
+    previous = getattr(model, "_tritonlm_previous_attention", None)
+    if previous is not None:
+        _set_attention(model, previous)
+        del model._tritonlm_previous_attention
+    return model
