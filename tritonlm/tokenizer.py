@@ -18,6 +18,7 @@ import heapq
 import json
 import os
 import re
+import unicodedata
 import warnings
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -28,6 +29,15 @@ import regex
 
 #: GPT-2's pre-tokenisation pattern.
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+#: Llama 3's and Qwen 2's patterns (as their tokenizer.json files give them): numbers in runs of at most three
+#: digits (Qwen 2: one), one leading non-letter joined to a word, newlines grouped with preceding whitespace.
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
+#: Patterns under which a newline between two printable ASCII characters is a safe place to cut a file (see
+#: ``_SAFE_NEWLINE_BYTES``): no alternative runs across such a newline into the next line. Other patterns are
+#: cut at special tokens only.
+NEWLINE_CUT_PATTERNS = (GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN)
 _PRETOKEN = regex.compile(GPT2_PATTERN)
 #: The same pattern for ASCII-only text, for the stdlib's ``re``, which runs it faster than ``regex`` runs
 #: GPT-2's: on ASCII, ``\p{L}`` is ``[A-Za-z]``, ``\p{N}`` is ``[0-9]`` and ``\s`` (Unicode White_Space) is
@@ -117,9 +127,9 @@ def _count_pretokens(text: str, special_tokens: list[str]) -> Counter:
 _SAFE_NEWLINE_BYTES = regex.compile(rb"(?<=[\x21-\x7e])\n(?=[\x21-\x7e])")
 
 
-def _next_cut(f, pos: int, size: int, specials: list[bytes], window: int = 1 << 16) -> int:
+def _next_cut(f, pos: int, size: int, specials: list[bytes], window: int = 1 << 16, newlines: bool = True) -> int:
     """The first safe cut at or after byte ``pos``: the start of a special token, or where the text has
-    none nearby, just after a safe newline; ``size`` if neither occurs before the end."""
+    none nearby, just after a safe newline (when ``newlines``); ``size`` if neither occurs before the end."""
     longest = max((len(s) for s in specials), default=0)
     while pos < size:
         f.seek(pos)
@@ -127,22 +137,22 @@ def _next_cut(f, pos: int, size: int, specials: list[bytes], window: int = 1 << 
         hits = [i for i in (buf.find(s) for s in specials) if 0 <= i < window]
         if hits:
             return pos + min(hits)
-        m = _SAFE_NEWLINE_BYTES.search(buf, 1, min(len(buf), window + 1))
+        m = _SAFE_NEWLINE_BYTES.search(buf, 1, min(len(buf), window + 1)) if newlines else None
         if m:
             return pos + m.end()
         pos += window
     return size
 
 
-def _chunk_boundaries(path: Path, special_tokens: list[str], target_bytes: int) -> list[int]:
+def _chunk_boundaries(path: Path, special_tokens: list[str], target_bytes: int, newlines: bool = True) -> list[int]:
     """Byte offsets cutting the file into chunks of about ``target_bytes`` at safe places
-    (:func:`_next_cut`). Reads the file in windows only."""
+    (:func:`_next_cut`; newlines only when ``newlines``). Reads the file in windows only."""
     size = path.stat().st_size
     specials = [t.encode("utf-8") for t in special_tokens]
     bounds = [0]
     with open(path, "rb") as f:
         while bounds[-1] + target_bytes < size:
-            cut = _next_cut(f, bounds[-1] + target_bytes, size, specials)
+            cut = _next_cut(f, bounds[-1] + target_bytes, size, specials, newlines=newlines)
             if cut >= size:
                 break
             bounds.append(cut)
@@ -343,6 +353,45 @@ def _from_unicode(text: str) -> bytes:
 LONG_PIECE_BYTES = 64
 
 
+def _hf_pattern(file: Path, pre: dict | None) -> str:
+    """The pre-tokenisation regex of a tokenizer.json ``pre_tokenizer``: GPT-2's ``ByteLevel`` (its own regex), or a
+    ``Sequence`` of one isolating ``Split`` regex and a regex-free ``ByteLevel`` (Llama 3, Qwen 2)."""
+    def bad(why: str):
+        return ValueError(f"{file}: pre_tokenizer {why}: only byte-level pre-tokenisers are supported")
+
+    if not pre:
+        raise bad("is missing")
+    steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else [pre]
+    byte_level = [p for p in steps if p.get("type") == "ByteLevel"]
+    splits = [p for p in steps if p.get("type") == "Split"]
+    others = [p.get("type") for p in steps if p.get("type") not in ("ByteLevel", "Split")]
+    if others or len(byte_level) != 1 or len(splits) > 1:
+        raise bad(f"steps {[p.get('type') for p in steps]}")
+    if byte_level[0].get("add_prefix_space"):
+        raise bad("ByteLevel.add_prefix_space=true")
+    if not splits:
+        if not byte_level[0].get("use_regex", True):
+            raise bad("ByteLevel without a regex")
+        return GPT2_PATTERN
+    split = splits[0]
+    if byte_level[0].get("use_regex", True):
+        raise bad("has both a Split and ByteLevel's own regex")
+    regex_text = (split.get("pattern") or {}).get("Regex")
+    if regex_text is None or split.get("behavior") != "Isolated" or split.get("invert"):
+        raise bad(f"Split {split.get('pattern')} / behavior {split.get('behavior')!r} (needs an isolating Regex)")
+    return regex_text
+
+
+def _hf_normalization(file: Path, norm: dict | None) -> str | None:
+    steps = (norm.get("normalizers") if norm.get("type") == "Sequence" else [norm]) if norm else []
+    kinds = [n.get("type") for n in steps]
+    if not kinds:
+        return None
+    if kinds == ["NFC"]:
+        return "NFC"
+    raise ValueError(f"{file}: normalizer {kinds} is not supported (only NFC)")
+
+
 def first_invalid_utf8(path, chunk_bytes: int = 1 << 22) -> int | None:
     """Byte offset of the first invalid UTF-8 sequence in a file (streamed), or None when it all decodes."""
     import codecs
@@ -392,9 +441,21 @@ STREAM_BUFFER_CHARS = 1 << 13
 
 
 class Tokenizer:
-    """Byte-level BPE encoder/decoder over a ``vocab`` (id -> bytes) and ranked ``merges``."""
+    """Byte-level BPE encoder/decoder over a ``vocab`` (id -> bytes) and ranked ``merges``.
 
-    def __init__(self, vocab: Vocab, merges: Merges, special_tokens: list[str] | None = None):
+    Defaults are GPT-2's. Tokenizers of other byte-level BPE families (:meth:`from_hf`) set ``pattern`` (the
+    pre-tokenisation regex), ``normalization`` (``"NFC"`` or None) and ``ignore_merges`` (a pre-token that is
+    itself in the vocab is one token, as Llama 3's tokenizer does).
+    """
+
+    def __init__(self, vocab: Vocab, merges: Merges, special_tokens: list[str] | None = None, *,
+                 pattern: str | None = None, normalization: str | None = None, ignore_merges: bool = False):
+        if normalization not in (None, "NFC"):
+            raise ValueError(f"normalization must be None or 'NFC', got {normalization!r}")
+        self.pattern = pattern or GPT2_PATTERN
+        # GPT-2's pattern keeps its ASCII fast path; others run as given
+        self._pattern = None if self.pattern == GPT2_PATTERN else regex.compile(self.pattern)
+        self.normalization, self.ignore_merges = normalization, ignore_merges
         self.vocab: Vocab = dict(vocab)
         self.merges: Merges = list(merges)
         given = list(special_tokens or [])
@@ -452,8 +513,58 @@ class Tokenizer:
                 merges.append((_from_unicode(parts[0]), _from_unicode(parts[1])))
         return cls(vocab, merges, special_tokens)
 
+    @classmethod
+    def from_hf(cls, path) -> Tokenizer:
+        """A Hugging Face ``tokenizer.json`` (a file, or a directory holding one) of a byte-level BPE tokenizer:
+        GPT-2, Llama 3, Qwen 2 and their kin. The pre-tokenisation regex, NFC normalisation, ``ignore_merges``
+        and the added tokens (all treated as special tokens) come from the file; ``encode`` equals the
+        ``tokenizers`` library's ``encode(text, add_special_tokens=False)`` (no BOS is prepended).
+
+        Other tokenizer types (SentencePiece-style BPE with byte fallback, Unigram, WordPiece) and pipeline steps
+        this encoder does not implement are a ``ValueError`` naming the field.
+        """
+        path = Path(path)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json at {path}")
+        try:
+            spec = json.loads(file.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{file}: not a JSON tokenizer file ({type(e).__name__})") from None
+        model = spec.get("model") or {}
+        kind = model.get("type")
+        if kind != "BPE":
+            raise ValueError(f"{file}: model.type {kind!r} is not byte-level BPE (SentencePiece Unigram, WordPiece "
+                             "and WordLevel tokenizers are not supported)")
+        if model.get("byte_fallback"):
+            raise ValueError(f"{file}: model.byte_fallback is set: a SentencePiece-style BPE, not byte-level BPE")
+        for field in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
+            if model.get(field):
+                raise ValueError(f"{file}: model.{field}={model[field]!r} is not supported")
+        pattern = _hf_pattern(file, spec.get("pre_tokenizer"))
+        normalization = _hf_normalization(file, spec.get("normalizer"))
+        vocab = {int(i): _from_unicode(tok) for tok, i in model.get("vocab", {}).items()}
+        merges: Merges = []
+        for merge in model.get("merges", []):
+            parts = merge.split(" ") if isinstance(merge, str) else list(merge)
+            if len(parts) != 2:
+                raise ValueError(f"{file}: bad merge {merge!r}")
+            merges.append((_from_unicode(parts[0]), _from_unicode(parts[1])))
+        specials = []
+        for added in spec.get("added_tokens", []):
+            flags = [f for f in ("lstrip", "rstrip", "single_word") if added.get(f)]
+            if flags:
+                raise ValueError(f"{file}: added token {added['content']!r} sets {', '.join(flags)}: not supported")
+            vocab[int(added["id"])] = added["content"].encode("utf-8")
+            specials.append(added["content"])
+        return cls(vocab, merges, specials, pattern=pattern, normalization=normalization,
+                   ignore_merges=bool(model.get("ignore_merges", False)))
+
     def save(self, vocab_path, merges_path) -> None:
         """Write GPT-2's format: ``vocab.json`` and ``merges.txt`` (byte <-> unicode mapped)."""
+        if (self.pattern, self.normalization, self.ignore_merges) != (GPT2_PATTERN, None, False):
+            raise ValueError("this tokenizer's pre-tokenisation (pattern / normalization / ignore_merges) has no "
+                             "place in vocab.json + merges.txt: keep the tokenizer.json it was read from")
         special = {t.encode("utf-8") for t in self.special_tokens}
         out = {(tok.decode("utf-8") if tok in special else _to_unicode(tok)): i for i, tok in self.vocab.items()}
         with open(vocab_path, "w", encoding="utf-8") as f:
@@ -471,7 +582,10 @@ class Tokenizer:
         per pass": pairs created by a merge always rank after it, so the next-best pair is the same pair
         until its occurrences are used up. Only the two neighbouring pair ranks change per merge.
         """
-        ids = list(map(self._byte_ids.__getitem__, piece.encode("utf-8")))
+        raw = piece.encode("utf-8")
+        if self.ignore_merges and raw in self._id_of:
+            return (self._id_of[raw],)
+        ids = list(map(self._byte_ids.__getitem__, raw))
         if len(ids) < 2:
             return tuple(ids)
         if len(ids) > LONG_PIECE_BYTES:
@@ -523,10 +637,17 @@ class Tokenizer:
                     heapq.heappush(heap, (r_left, h))
         return tuple(t for t in ids if t >= 0)
 
-    @staticmethod
-    def _encode_ordinary(text: str, out: list[int], cache: _PieceCache) -> None:
+    def _split(self, text: str, start: int = 0, end: int | None = None) -> list[str]:
+        """Pre-tokens of ``text[start:end]`` (the pattern sees ``end`` as the end of the string)."""
+        if self._pattern is None:
+            return _pretokens(text, start, end)
+        return self._pattern.findall(text, start, len(text) if end is None else end)
+
+    def _encode_ordinary(self, text: str, out: list[int], cache: _PieceCache) -> None:
+        if self.normalization:
+            text = unicodedata.normalize(self.normalization, text)
         # the lookups run in C (map over the cache's __getitem__); only unseen pre-tokens reach Python
-        out.extend(chain.from_iterable(map(cache.__getitem__, _pretokens(text))))
+        out.extend(chain.from_iterable(map(cache.__getitem__, self._split(text))))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (special tokens become their single ids)."""
@@ -584,7 +705,7 @@ class Tokenizer:
                     limit = m.start()
                     break
                 seg_start = m.end()
-        pieces = _pretokens(buf, seg_start, limit)
+        pieces = self._split(buf, seg_start, limit)
         return seg_start, pieces[:-2]
 
     def encode_iterable(self, iterable: Iterable[str]) -> Iterator[int]:
@@ -597,6 +718,8 @@ class Tokenizer:
             if not isinstance(chunk, str):
                 raise TypeError(f"encode_iterable expects strings, got {type(chunk).__name__}")
             buf += chunk
+            if self.normalization:  # the held-back tail is renormalised with what follows it
+                buf = unicodedata.normalize(self.normalization, buf)
             if len(buf) < STREAM_BUFFER_CHARS:
                 continue  # cutting costs a regex pass over the buffer: do it per ~8K characters
             seg_start, pieces = self._safe_cut(buf)
@@ -671,7 +794,8 @@ def encode_file(tokenizer: Tokenizer, input_path, output_path, num_workers: int 
     num_workers = num_workers or os.cpu_count() or 1
     chunk_bytes = chunk_bytes or _auto_chunk_bytes(size, num_workers)
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
-    bounds = _chunk_boundaries(input_path, tokenizer.special_tokens, chunk_bytes)
+    bounds = _chunk_boundaries(input_path, tokenizer.special_tokens, chunk_bytes,
+                               newlines=tokenizer.pattern in NEWLINE_CUT_PATTERNS)
     jobs = [(str(input_path), a, b, dtype) for a, b in zip(bounds, bounds[1:])]
     t0 = time.perf_counter()
     n_tokens = 0
