@@ -11,7 +11,7 @@ import torch.nn.functional as TF
 from tritonlm import ModelConfig, accounting
 from tritonlm.benchmarking import benchmark_train_steps, time_fn
 
-from benchutil import fused_loss_baselines, liger_impls
+from benchutil import fused_loss_baselines, liger_impls, peak_bytes
 
 
 def _ms(times):
@@ -20,6 +20,15 @@ def _ms(times):
 
 def _time(fn, device, smoke):
     return time_fn(fn, device, warmup=1 if smoke else 5, rounds=2 if smoke else 20)
+
+
+def _peak_bytes(step, device) -> int:
+    """Peak memory one call of ``step`` adds: the CUDA allocator's peak on a GPU, live tensor storage on CPU."""
+    if device.type == "cuda":
+        return peak_bytes(step)
+    from tritonlm.memory import peak_live_bytes
+
+    return peak_live_bytes(step)[1]
 
 
 def _modes(forward, inputs, device, smoke):
@@ -209,7 +218,6 @@ def loss_rows(device, smoke=False, time_left=lambda: 1e9):
     """LM head + loss, forward + backward: eager ``hidden @ W.T`` + ``F.cross_entropy``, its torch.compile,
     Liger's fused linear cross-entropy and Cut Cross-Entropy when importable, and ours; time and peak memory."""
     from tritonlm.kernels import linear_cross_entropy
-    from tritonlm.memory import peak_live_bytes
 
     dtype = torch.float32 if smoke else torch.bfloat16
     shapes = [(64, 32, 1000)] if smoke else [(8192, 768, 50257), (8192, 4096, 128256)]
@@ -235,15 +243,7 @@ def loss_rows(device, smoke=False, time_left=lambda: 1e9):
 
             try:
                 ms = _ms(_time(step, device, smoke))
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                    base = torch.cuda.memory_allocated()
-                    step()
-                    torch.cuda.synchronize()
-                    peak = torch.cuda.max_memory_allocated() - base
-                else:
-                    peak = peak_live_bytes(step)[1]
+                peak = _peak_bytes(step, device)
             except Exception as e:  # out of memory, or a baseline that rejects the shape
                 rows.append({"shape": f"{n}x{d}x{v}", "impl": impl, "error": repr(e)[:200]})
                 continue
@@ -317,4 +317,68 @@ def attention_variant_rows(device, copy_bw, smoke=False, time_left=lambda: 1e9):
             timed("decode", f"{impl} b{batch} cache {cache}", dec,
                   GBps=lambda ms, n=nbytes: n / ms / 1e6, pct_copy_bw=lambda ms, n=nbytes: 100 * n / ms / 1e6 * 1e9
                   / copy_bw)
+    return rows
+
+
+def hf_rows(device, smoke=False, time_left=lambda: 1e9):
+    """An HF Llama training step (forward with labels, backward, AdamW): the unpatched model (transformers'
+    default attention), ``tritonlm.hf.apply_kernels`` on a copy, and Liger's instance patch when importable. GPU:
+    a Llama-3.2-1B-like shape with random weights, bf16; smoke: a tiny config. Time and peak memory."""
+    import copy
+
+    try:
+        import transformers
+    except ImportError:
+        return [{"impl": "all", "error": "transformers is not installed (pip install 'tritonlm[hf]')"}]
+    from tritonlm.hf import apply_kernels
+
+    if smoke:
+        sizes = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                     num_hidden_layers=2, vocab_size=300, max_position_embeddings=64)
+        batch, seq, dtype = 2, 16, torch.float32
+    else:
+        sizes = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
+                     num_hidden_layers=16, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
+        batch, seq, dtype = 4, 2048, torch.bfloat16
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes, tie_word_embeddings=True))
+    base = base.to(device=device, dtype=dtype).train()
+    impls = {"unpatched": lambda m: m, "tritonlm": apply_kernels}
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        def liger(m):
+            _apply_liger_kernel_to_instance(model=m)
+            return m
+
+        impls["liger-kernel"] = liger
+    except ImportError:
+        pass
+    ids = torch.randint(0, sizes["vocab_size"], (batch, seq), device=device)
+    rows = []
+    for impl, patch in impls.items():
+        if time_left() < 45:
+            break
+        try:
+            model = patch(copy.deepcopy(base))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+            def step(model=model, opt=opt):
+                model(ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            step()  # AdamW state allocated before the timed and the memory-measured steps
+            ms = _ms(time_fn(step, device, warmup=1 if smoke else 3, rounds=2 if smoke else 8))
+            peak = _peak_bytes(step, device)
+        except Exception as e:  # out of memory, a baseline that rejects the model
+            rows.append({"impl": impl, "error": repr(e)[:200]})
+            continue
+        finally:
+            model = opt = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        rows.append({"shape": f"{sizes['num_hidden_layers']}L d{sizes['hidden_size']} b{batch}x{seq}",
+                     "dtype": str(dtype)[6:], "impl": impl, "step_ms": ms,
+                     "tokens_per_s": batch * seq / (ms / 1e3), "peak_MiB": peak / 2**20})
     return rows

@@ -86,6 +86,17 @@ def verdicts(report) -> list[dict]:
         if "fused" in by and "compiled-reference" in by:
             s = by["compiled-reference"]["mean_s"] / by["fused"]["mean_s"]
             add(f"train step {preset}: fused >= 1.1x torch.compile(reference)", s >= 1.1, f"{s:.2f}x")
+    hf = {r["impl"]: r for r in _rows(report, "hf_train_step") if "error" not in r}
+    if "tritonlm" in hf and "unpatched" in hf:
+        s = hf["unpatched"]["step_ms"] / hf["tritonlm"]["step_ms"]
+        add("HF Llama step: apply_kernels >= 1.2x unpatched eager", s >= 1.2, f"{s:.2f}x")
+        rivals = [hf[k] for k in ("unpatched", "liger-kernel") if k in hf]
+        lowest = min(r["peak_MiB"] for r in rivals)
+        add("HF Llama step: peak memory below unpatched and Liger", hf["tritonlm"]["peak_MiB"] < lowest,
+            f"{hf['tritonlm']['peak_MiB']:.1f} MiB vs {lowest:.1f} MiB")
+    if "tritonlm" in hf and "liger-kernel" in hf:
+        s = hf["liger-kernel"]["step_ms"] / hf["tritonlm"]["step_ms"]
+        add("HF Llama step: apply_kernels ahead of Liger's patch", s >= 1.0, f"{s:.2f}x")
     for r in _rows(report, "activation_memory"):
         if r["seq"] == 4096:
             add(f"activation memory {r['preset']} seq 4096: fused <= 1/8 reference", r["ratio"] <= 0.125,
@@ -159,6 +170,7 @@ def render_markdown(report) -> str:
                        ("attention_variants", ["group", "case", "ms", "GBps", "pct_copy_bw", "error"]),
                        ("lm_head_loss", ["shape", "dtype", "impl", "fwd_bwd_ms", "peak_MiB", "error"]),
                        ("train_step", ["preset", "impl", "batch", "seq", "mean_s", "std_s", "tokens_per_s", "mfu", "train_TFLOPs", "peak_bytes", "error"]),
+                       ("hf_train_step", ["shape", "dtype", "impl", "step_ms", "tokens_per_s", "peak_MiB", "error"]),
                        ("activation_memory", ["preset", "seq", "reference", "fused", "ratio"])):
         sec = report["sections"].get(name)
         md += [f"## {name}", ""]

@@ -278,12 +278,14 @@ class TransformerLM(nn.Module):
 
     @torch.no_grad()
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, eos_id: int | None = None, generator: torch.Generator | None = None,
+                 top_p: float | None = None, eos_id: int | list[int] | None = None,
+                 generator: torch.Generator | None = None,
                  use_cache: bool = True) -> torch.Tensor:
         """Sample up to ``max_new_tokens`` after ``prompt_ids`` (``[seq]`` or ``[batch, seq]``).
 
         ``temperature=0`` is greedy; ``top_k`` keeps the k most likely tokens; ``top_p`` the smallest set
-        whose probability reaches p. Stops early when every row has produced ``eos_id``. Returns the
+        whose probability reaches p. Stops early when every row has produced ``eos_id`` (one id, or a list of
+        ids any of which ends a row, as Hugging Face configs give them; a finished row repeats it). Returns the
         prompt followed by the new tokens, same rank as the prompt. With ``use_cache`` each new token costs
         one incremental forward against a KV cache; when the context fills up, the cache is rebuilt from
         the most recent three quarters of the context.
@@ -302,6 +304,7 @@ class TransformerLM(nn.Module):
         self.eval()
         try:
             done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+            eos = None if eos_id is None else torch.as_tensor(eos_id, device=ids.device).reshape(-1)
             caches, pending = None, None
             for _ in range(max_new_tokens):
                 if not use_cache:
@@ -313,12 +316,12 @@ class TransformerLM(nn.Module):
                         caches, pending = self.new_kv_caches(), ids[:, -keep:]
                     logits = self(pending, kv_caches=caches)[:, -1]
                 nxt = sample_next(logits, temperature, top_k, top_p, generator)
-                if eos_id is not None:
-                    nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
-                    done |= nxt == eos_id
+                if eos is not None:
+                    nxt = torch.where(done, eos[0], nxt)
+                    done |= torch.isin(nxt, eos)
                 ids = torch.cat([ids, nxt[:, None]], dim=1)
                 pending = nxt[:, None]
-                if eos_id is not None and bool(done.all()):
+                if eos is not None and bool(done.all()):
                     break
         finally:
             self.train(was_training)

@@ -42,16 +42,25 @@ def cmd_accounting(args) -> int:
     from .config import PRESETS, ModelConfig
 
     try:
-        cfg = ModelConfig.preset(args.preset, **({"num_kv_heads": args.num_kv_heads} if args.num_kv_heads else {}))
-    except ValueError as e:
+        if args.hf:
+            from .hf.checkpoint import model_config_from_hf, read_hf_config
+
+            cfg = model_config_from_hf(read_hf_config(args.hf))
+            if args.num_kv_heads:
+                raise CLIError("--num-kv-heads comes from the checkpoint with --hf")
+        else:
+            cfg = ModelConfig.preset(args.preset, **({"num_kv_heads": args.num_kv_heads} if args.num_kv_heads else {}))
+    except (ValueError, FileNotFoundError) as e:
         raise CLIError(str(e)) from None
     if args.seq_len <= 0 or args.batch <= 0:
         raise CLIError("--seq-len and --batch must be positive")
     if args.activations and any(n <= 0 for n in args.activation_seq_lens):
         raise CLIError(f"--activation-seq-lens {args.activation_seq_lens}: every length must be positive")
     n = accounting.param_count(cfg)
-    print(f"preset {args.preset}: vocab {cfg.vocab_size}, context {cfg.context_length}, d_model {cfg.d_model}, "
-          f"layers {cfg.num_layers}, heads {cfg.num_heads} (kv heads {cfg.kv_heads}), d_ff {cfg.d_ff}")
+    name = f"{args.hf} (Hugging Face)" if args.hf else f"preset {args.preset}"
+    print(f"{name}: vocab {cfg.vocab_size}, context {cfg.context_length}, d_model {cfg.d_model}, "
+          f"layers {cfg.num_layers}, heads {cfg.num_heads} (kv heads {cfg.kv_heads}), d_ff {cfg.d_ff}"
+          + (", tied embeddings" if cfg.tie_embeddings else ""))
     print(f"parameters: {n:,} ({_fmt_bytes(4 * n)} in fp32, {_fmt_bytes(2 * n)} in bf16)\n")
     f = accounting.forward_flops(cfg, args.seq_len, args.batch)
     rows = [[k, _fmt_count(v), f"{100 * v / f['total']:.1f}%"] for k, v in f.items()]
@@ -103,7 +112,8 @@ def cmd_train(args) -> int:
 
     overrides = {k: getattr(args, k) for k in _MODEL_SIZE_FLAGS if getattr(args, k) is not None}
     cfg = TrainConfig(
-        data=args.data, tokenizer=args.tokenizer, preset=args.preset, model_overrides=overrides,
+        data=args.data, tokenizer=args.tokenizer, init_from=args.init_from, preset=args.preset,
+        model_overrides=overrides,
         max_steps=args.max_steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
         min_lr=args.min_lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, z_loss=args.z_loss, label_smoothing=args.label_smoothing,
@@ -361,6 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Print parameters, forward FLOPs by component, training memory and a "
                                    "scaling table across presets and sequence lengths.")
     p.add_argument("--preset", default="gpt2-xl", help="model preset (default gpt2-xl)")
+    p.add_argument("--hf", metavar="HF_DIR",
+                   help="account for a local Hugging Face Llama/Mistral model instead (its config.json)")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
     p.add_argument("--batch", type=int, default=1, help="sequences per batch (default 1)")
     p.add_argument("--num-kv-heads", type=int, default=None,
@@ -379,7 +391,12 @@ def build_parser() -> argparse.ArgumentParser:
                                    "summary.json and the tokenizer into --out.")
     p.add_argument("--data", help="text file (a tokenizer is trained on it unless --tokenizer is given), or a "
                                   ".npy/.bin token file; default: the embedded corpus")
-    p.add_argument("--tokenizer", help="directory with vocab.json + merges.txt (GPT-2 format) to use")
+    p.add_argument("--tokenizer", help="directory with vocab.json + merges.txt (GPT-2 format) or a Hugging Face "
+                                       "tokenizer.json to use")
+    p.add_argument("--init-from", metavar="HF_DIR",
+                   help="fine-tune a local Hugging Face Llama/Mistral model (config.json + safetensors): its sizes, "
+                        "weights and tokenizer.json; only --context-length (training length, default "
+                        "min(1024, the model's)) may be changed")
     p.add_argument("--preset", default="tiny", help="model size preset (default tiny; see `tritonlm accounting`)")
     for name in _MODEL_SIZE_FLAGS:
         kind = str if name in ("norm", "ffn", "position", "norm_position") else (float if name == "rope_theta" else int)
@@ -426,9 +443,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("generate", help="sample text from a trained checkpoint",
-                       description="Load a training output directory and continue a prompt (KV-cached decoding).")
-    p.add_argument("--checkpoint", required=True, help="training output directory (or its checkpoint.pt)")
+    p = sub.add_parser("generate", help="sample text from a trained checkpoint or a Hugging Face model",
+                       description="Load a training output directory, or a local Hugging Face Llama/Mistral "
+                                   "directory (config.json, safetensors, tokenizer.json), and continue a prompt "
+                                   "(KV-cached decoding).")
+    p.add_argument("--checkpoint", required=True,
+                   help="training output directory (or its checkpoint.pt), or a Hugging Face model directory")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")

@@ -53,6 +53,7 @@ class TrainConfig:
 
     data: str | None = None
     tokenizer: str | None = None
+    init_from: str | None = None  # a local Hugging Face Llama/Mistral directory: its sizes, weights, tokenizer
     preset: str = "tiny"
     model_overrides: dict = field(default_factory=dict)
     max_steps: int = 300
@@ -148,19 +149,23 @@ def _fingerprint(path: Path) -> str:
     return hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
 
 
-def find_tokenizer_files(location) -> tuple[Path, Path]:
-    """``vocab.json`` and ``merges.txt`` in a directory (or GPT-2's ``*vocab.json``/``*merges.txt``)."""
+def find_tokenizer_files(location) -> tuple[Path, ...]:
+    """The files that define a tokenizer directory: a Hugging Face ``tokenizer.json``, else ``vocab.json`` and
+    ``merges.txt`` (or GPT-2's ``*vocab.json``/``*merges.txt``)."""
     loc = Path(location)
     if not loc.is_dir():
         raise TrainError(f"tokenizer directory not found: {loc}")
+    if (loc / HF_TOKENIZER_FILE).is_file():
+        return (loc / HF_TOKENIZER_FILE,)
     vocab = sorted(loc.glob("*vocab.json"))
     merges = sorted(loc.glob("*merges.txt"))
     if len(vocab) != 1 or len(merges) != 1:
-        raise TrainError(f"{loc} must hold exactly one *vocab.json and one *merges.txt")
+        raise TrainError(f"{loc} must hold a tokenizer.json, or exactly one *vocab.json and one *merges.txt")
     return vocab[0], merges[0]
 
 
 SPECIAL_TOKENS_FILE = "special_tokens.json"
+HF_TOKENIZER_FILE = "tokenizer.json"
 
 
 def read_special_tokens(location) -> list[str]:
@@ -182,7 +187,13 @@ def read_special_tokens(location) -> list[str]:
 def load_tokenizer(location):
     from .tokenizer import Tokenizer
 
-    vocab, merges = find_tokenizer_files(location)
+    files = find_tokenizer_files(location)
+    if files[0].name == HF_TOKENIZER_FILE:
+        try:
+            return Tokenizer.from_hf(files[0])
+        except ValueError as e:
+            raise TrainError(str(e)) from None
+    vocab, merges = files
     specials = read_special_tokens(location)
     try:
         return Tokenizer.from_files(vocab, merges, specials)
@@ -447,13 +458,37 @@ def _setup(cfg: TrainConfig, say) -> _Run:
     out.mkdir(parents=True, exist_ok=True)
     run = _Run(cfg, say, device, dist_info, out)
     try:
-        run.mcfg = ModelConfig.preset(cfg.preset, **cfg.model_overrides)
+        run.mcfg = (_hf_model_config(cfg) if cfg.init_from else ModelConfig.preset(cfg.preset, **cfg.model_overrides))
     except (ValueError, TypeError) as e:
         raise TrainError(str(e)) from None
+    if cfg.init_from and not cfg.tokenizer:
+        run.cfg = cfg = dataclasses.replace(cfg, tokenizer=cfg.init_from)  # the checkpoint's own tokenizer
     if cfg.context_length:
         run.mcfg = run.mcfg.replace(context_length=cfg.context_length)
     run.backend = runnable_backend(cfg.backend, device)  # with the fix in the message
     return run
+
+
+#: Training context when --init-from gives no --context-length (checkpoints allow far longer ones).
+INIT_FROM_CONTEXT = 1024
+
+
+def _hf_model_config(cfg: TrainConfig) -> ModelConfig:
+    """--init-from: the checkpoint's sizes; only the (training) context length may be set."""
+    from .hf.checkpoint import model_config_from_hf, read_hf_config
+
+    others = sorted(k for k in cfg.model_overrides if k != "context_length")
+    if others:
+        raise TrainError(f"--init-from takes the model's sizes from the checkpoint; drop "
+                         f"{', '.join('--' + k.replace('_', '-') for k in others)}")
+    try:
+        hf_cfg = read_hf_config(cfg.init_from)
+    except FileNotFoundError as e:
+        raise TrainError(f"--init-from: {e}") from None
+    context = cfg.model_overrides.get("context_length") or cfg.context_length
+    if context is None:
+        context = min(INIT_FROM_CONTEXT, model_config_from_hf(hf_cfg).context_length)
+    return model_config_from_hf(hf_cfg, context)
 
 
 def _data_stage(run: _Run) -> None:
@@ -470,7 +505,10 @@ def _data_stage(run: _Run) -> None:
     run.tok_fp = (hashlib.sha1(b"".join(p.read_bytes() for p in find_tokenizer_files(run.tok_dir))).hexdigest()[:12]
                   if run.tok_dir else None)
     mcfg = run.mcfg
-    if run.tokenizer is not None and run.tokenizer.vocab_size != mcfg.vocab_size:
+    if cfg.init_from and run.tokenizer is not None and run.tokenizer.vocab_size > mcfg.vocab_size:
+        raise TrainError(f"the tokenizer has {run.tokenizer.vocab_size} ids but the --init-from model only "
+                         f"{mcfg.vocab_size} embeddings")
+    if not cfg.init_from and run.tokenizer is not None and run.tokenizer.vocab_size != mcfg.vocab_size:
         mcfg = run.mcfg = mcfg.replace(vocab_size=run.tokenizer.vocab_size)
     max_id = int(tokens.max()) if len(tokens) else -1
     if len(tokens) and np.issubdtype(tokens.dtype, np.signedinteger) and int(tokens.min()) < 0:
@@ -498,7 +536,13 @@ def _model_stage(run: _Run) -> None:
     torch.manual_seed(cfg.seed)
     model = run.model = TransformerLM.from_config(mcfg, device=device, backend=run.backend)
     model.token_embeddings.check_ids = False  # every id was checked against the vocab above, once
-    run.say(f"model: preset {cfg.preset}, {accounting.param_count(mcfg) / 1e6:.2f}M parameters, "
+    if cfg.init_from and not cfg.resume:
+        from .hf.checkpoint import read_hf_state, state_from_hf
+
+        model.load_state_dict(state_from_hf(read_hf_state(cfg.init_from), mcfg))
+        run.say(f"model: initialised from {cfg.init_from} (context {mcfg.context_length} for training)")
+    what = f"{cfg.init_from} (HF)" if cfg.init_from else f"preset {cfg.preset}"
+    run.say(f"model: {what}, {accounting.param_count(mcfg) / 1e6:.2f}M parameters, "
             f"backend {model.backend} on {device}" + (f" ({dist_info.world} ranks)" if dist_info.world > 1 else ""))
     run.generator = torch.Generator().manual_seed(cfg.seed)
     payload = _resume(run) if cfg.resume else None
@@ -800,18 +844,45 @@ def generate_ids(model, tokenizer, prompt: str, max_new_tokens: int, temperature
     gen = None
     if seed is not None:
         gen = torch.Generator(device=device).manual_seed(seed)
-    eos = tokenizer._special_ids.get("<|endoftext|>")
+    # a Hugging Face model names its end-of-sequence id(s); tritonlm's own runs end documents with <|endoftext|>
+    eos = (getattr(model, "hf_config", None) or {}).get("eos_token_id")
+    if eos is None:
+        eos = tokenizer._special_ids.get("<|endoftext|>")
+    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     out = model.generate(torch.tensor(ids, device=device), max_new_tokens, temperature=temperature, top_k=top_k,
                          top_p=top_p, eos_id=eos, generator=gen)
     new = out[len(ids):].tolist()
-    if eos is not None and eos in new:
-        new = new[:new.index(eos)]
-    return new
+    stops = [i for i, t in enumerate(new) if t in eos_ids]
+    return new[:stops[0]] if stops else new
+
+
+def is_hf_model_dir(path) -> bool:
+    """A local Hugging Face model directory: config.json and safetensors weights, no tritonlm checkpoint."""
+    path = Path(path)
+    return (path.is_dir() and (path / "config.json").is_file() and not (path / CHECKPOINT_NAME).exists()
+            and any(path.glob("*.safetensors")))
+
+
+def _load_hf_for_generation(path: Path, device, backend):
+    from .hf.checkpoint import from_pretrained
+
+    dev = resolve_device(device)
+    backend = runnable_backend(backend, dev)
+    try:
+        # CPU matmuls are fastest in fp32; on GPUs keep the checkpoint's dtype
+        model = from_pretrained(path, backend=backend, device=dev, dtype=torch.float32 if dev.type == "cpu" else None)
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        raise TrainError(f"{path}: {e}") from None
+    model.eval()
+    return model, load_tokenizer(path)
 
 
 def load_for_generation(checkpoint_dir, device="auto", backend="auto"):
-    """``(model, tokenizer)`` from a training output directory (or a checkpoint file inside one)."""
+    """``(model, tokenizer)`` from a training output directory (or a checkpoint file inside one), or from a local
+    Hugging Face Llama/Mistral directory (config.json, safetensors, tokenizer.json)."""
     path = Path(checkpoint_dir)
+    if is_hf_model_dir(path):
+        return _load_hf_for_generation(path, device, backend)
     ckpt = path / CHECKPOINT_NAME if path.is_dir() else path
     if not ckpt.exists():
         raise TrainError(f"no checkpoint at {ckpt}")
@@ -834,6 +905,10 @@ def load_for_generation(checkpoint_dir, device="auto", backend="auto"):
         tok_dir = local
     if not tok_dir or not Path(tok_dir).is_dir():
         raise TrainError(f"the checkpoint names no tokenizer directory that exists ({tok_dir})")
+    if (Path(tok_dir) / "config.json").is_file():  # fine-tuned with --init-from: the HF directory's token ids
+        from .hf.checkpoint import read_hf_config
+
+        model.hf_config = read_hf_config(tok_dir)
     return model, load_tokenizer(tok_dir)
 
 
