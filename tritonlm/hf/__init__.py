@@ -10,8 +10,27 @@
 Tokenizers: :meth:`tritonlm.tokenizer.Tokenizer.from_hf` reads byte-level BPE ``tokenizer.json`` files.
 """
 
-from .checkpoint import from_pretrained, model_config_from_hf, read_hf_config, save_pretrained
-from .patch import apply_kernels, remove_kernels
+import os as _os
+import sys as _sys
+
+
+def _unshadow_kernels_package() -> None:
+    """In a source checkout run from its root (``python -m ...``), the root is on ``sys.path`` and its ``kernels/``
+    folder (installed as ``tritonlm.kernels``) would be found as the unrelated top-level ``kernels`` package that
+    transformers probes for at import, failing there. Drop just that path entry: tritonlm is imported from its
+    install, never through it."""
+    ours = _os.path.dirname(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))
+    checkout = (_os.path.isfile(_os.path.join(ours, "pyproject.toml"))
+                and _os.path.isfile(_os.path.join(ours, "kernels", "flash_attention.py")))
+    if "transformers" in _sys.modules or not checkout:  # an installed tritonlm: nothing shadows anything
+        return
+    _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != ours]
+
+
+_unshadow_kernels_package()
+
+from .checkpoint import from_pretrained, model_config_from_hf, read_hf_config, save_pretrained  # noqa: E402
+from .patch import apply_kernels, remove_kernels  # noqa: E402
 
 __all__ = ["from_pretrained", "save_pretrained", "apply_kernels", "remove_kernels", "model_config_from_hf",
            "read_hf_config"]
