@@ -148,6 +148,11 @@ def main() -> int:
     section("train_step", lambda: {"rows": train_rows(device, smoke=not on_gpu, time_left=left)}, min_left=60)
     section("hf_train_step", lambda: {"rows": hf_rows(device, smoke=not on_gpu, time_left=left)}, min_left=45)
 
+    from sweep import run_sweep
+
+    # shipped launch configurations vs alternatives; the winners are written to OUT/tuned/<gpu>.json
+    section("sweep", lambda: run_sweep(device, out, smoke=not on_gpu, time_left=left), min_left=45)
+
     def activations():
         from tritonlm import ModelConfig
         from tritonlm.memory import block_activation_bytes

@@ -171,6 +171,7 @@ def render_markdown(report) -> str:
                        ("lm_head_loss", ["shape", "dtype", "impl", "fwd_bwd_ms", "peak_MiB", "error"]),
                        ("train_step", ["preset", "impl", "batch", "seq", "mean_s", "std_s", "tokens_per_s", "mfu", "train_TFLOPs", "peak_bytes", "error"]),
                        ("hf_train_step", ["shape", "dtype", "impl", "step_ms", "tokens_per_s", "peak_MiB", "error"]),
+                       ("sweep", ["kernel", "key", "config", "ms", "vs_shipped", "best", "shipped_config", "error"]),
                        ("activation_memory", ["preset", "seq", "reference", "fused", "ratio"])):
         sec = report["sections"].get(name)
         md += [f"## {name}", ""]
@@ -182,6 +183,9 @@ def render_markdown(report) -> str:
                 md += ["```", sec["traceback"], "```", ""]
         else:
             md += [_table(sec.get("rows", []), cols), ""]
+            if "table" in sec:
+                md += [f"Tuned launch table written: `{sec['table']}` ({sec['entries']} entries beating the shipped "
+                       "configuration by >= 3%); commit it as `kernels/tuned/<gpu>.json` for the launchers to use.", ""]
     for p in report.get("plots", []):
         md += [f"![{p}]({p})", ""]
     return "\n".join(md)

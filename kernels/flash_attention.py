@@ -23,7 +23,12 @@ power of two (≥ 16) with masked loads.
 Tile sizes and warps (:func:`_fwd_config`, :func:`_bwd_config`) are a table by head dim and dtype,
 chosen so the sm_90/sm_80 builds use tensor cores without spilling (``tritonlm kernels --report``
 prints the evidence); causal query tiles are scheduled longest-first (the last query tiles see the most
-keys) so the tail of the grid is short tiles.
+keys) so the tail of the grid is short tiles. A tuned table measured on a GPU (``kernels/tuned``) may replace
+them per GPU, dtype and head dim.
+
+Variants, chosen explicitly: ``deterministic=False`` adds dQ with fp32 atomics inside the dK/dV kernel (no dQ
+kernel: 5 matmuls per tile pair instead of 7); ``_fwd_kernel_tma``, the dense forward with Hopper TMA descriptor
+loads, runs only when a tuned table (or the suite's sweep) asks for it (``"TMA": 1``).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import triton
 import triton.language as tl
 
 from ..profiling import kernel_range
+from . import tuned
 from ._common import (
     ASSUMED_SM_COUNT,
     MAX_GRID_AXIS1,
@@ -134,32 +140,50 @@ def _visible(queries, keys, n_k, shift, win_left, win_right, CAUSAL: tl.constexp
 # forward
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
+def _load_kv(k_tile, v_tile, keys, n_k, d_mask, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """K and V tiles; edge tiles masked to zero. A whole tile with the head dim filling BLOCK_D loads unmasked."""
+    if MASKED:
+        kv_mask = (keys[:, None] < n_k) & d_mask[None, :]
+        return tl.load(k_tile, mask=kv_mask, other=0.0), tl.load(v_tile, mask=kv_mask, other=0.0)
+    if EVEN_D:
+        return tl.load(k_tile), tl.load(v_tile)
+    return tl.load(k_tile, mask=d_mask[None, :], other=0.0), tl.load(v_tile, mask=d_mask[None, :], other=0.0)
+
+
+@triton.jit
 def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
                key_start, key_end, n_k, shift, win_left, win_right, qk_scale,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
+               EVEN_D: tl.constexpr):
     """Fold key tiles ``[key_start, key_end)`` into the running (acc, m_i, l_i)."""
+    # the tile's first row advances by BLOCK_N rows per step (64-bit, one row of pointers); rows within a tile are
+    # loop-invariant 32-bit offsets: no 64-bit multiply per row and no 2-D pointer tensor held across steps
+    # Row offsets are recomputed per tile rather than carried as pointers advanced by BLOCK_N rows: measured in
+    # the SASS report, advancing them cost registers (sm_90, bf16: d 128 197 -> 245, split-KV decode 140 -> 224)
+    # and spilled on sm_80 at d 128; the recomputation is a few integer ops the pipeliner hides.
     for start_n in range(key_start, key_end, BLOCK_N):
         keys = start_n + offs_n
-        # ---- load K and V tiles (edge tiles masked to zero)
-        if MASKED:
-            kv_mask = (keys[:, None] < n_k) & d_mask[None, :]
-        else:
-            kv_mask = d_mask[None, :]
-        k = tl.load(k_ptrs + keys[:, None].to(tl.int64) * stride_kn, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs + keys[:, None].to(tl.int64) * stride_vn, mask=kv_mask, other=0.0)
+        k, v = _load_kv(k_ptrs + keys[:, None].to(tl.int64) * stride_kn, v_ptrs + keys[:, None].to(tl.int64) * stride_vn,
+                        keys, n_k, d_mask, MASKED, EVEN_D)
         # ---- scores in log2 units
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if MASKED:
             s = tl.where(_visible(offs_m, keys, n_k, shift, win_left, win_right, CAUSAL, WINDOW), s, float("-inf"))
-        # ---- online softmax update; a row that has seen no key keeps m = -inf, so subtract 0 instead
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v)
     return acc, m_i, l_i
+
+
+@triton.jit
+def _online_softmax_step(acc, m_i, l_i, s, v):
+    """Fold one tile of scores ``s`` (log2 units) and its values into the running (acc, m_i, l_i); a row that has
+    seen no key keeps m = -inf, so 0 is subtracted instead."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -169,8 +193,9 @@ def _fwd_kernel(
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
     n_heads, group, bh_start, n_q, n_k, d_head, qk_scale, win_left, win_right, split_size,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, SPLIT_KV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
 ):
+    # EVEN_D: the head dim fills BLOCK_D, so whole K/V tiles load without a mask
     # SPLIT_KV (decoding): grid axis 0 is the key split, not the query tile; the one query tile holds every query
     # and the program writes an unnormalised partial result (acc / l, and its lse) for the combine kernel
     pid_bh = tl.program_id(1) + bh_start
@@ -212,13 +237,13 @@ def _fwd_kernel(
     if WINDOW or SPLIT_KV:  # (without a left bound, or a split start, the masked head range is empty)
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
                                    key_lo, full_lo, n_k, shift, win_left, win_right, qk_scale,
-                                   MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N)
+                                   MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
                                full_lo, full_hi, n_k, shift, win_left, win_right, qk_scale,
-                               MASKED=False, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N)
+                               MASKED=False, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
                                full_hi, key_hi, n_k, shift, win_left, win_right, qk_scale,
-                               MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N)
+                               MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D)
 
     # ---- epilogue: normalise; rows without a visible key give 0 and L = -inf
     empty = l_i == 0.0
@@ -234,6 +259,60 @@ def _fwd_kernel(
         o_ptrs = O + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_d[None, :]
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=q_mask)
         tl.store(LSE + b * stride_lb + h * stride_lh + q_start + offs_m, lse, mask=row_valid)
+
+
+@triton.jit
+def _fwd_kernel_tma(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+    n_batch, n_heads, n_kv_heads, group, n_q, n_k, d_head, qk_scale,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """The dense forward (no window, no packing) with Hopper tensor-memory-accelerator loads: each tile is one
+    ``[1, 1, rows, BLOCK_D]`` box of a 4-D ``[batch, heads, seq, d]`` descriptor. The TMA unit zero-fills rows
+    and columns outside the tensor, so no load needs a mask; only the causal diagonal masks scores."""
+    pid_bh = tl.program_id(1)
+    b = pid_bh // n_heads
+    h = pid_bh % n_heads
+    h_kv = h // group
+    start_m = _query_tile_start(tl.program_id(0), n_q, CAUSAL, BLOCK_M)
+    # ---- descriptors over the whole tensors (shape, strides in elements, box shape)
+    q_desc = tl.make_tensor_descriptor(Q, [n_batch, n_heads, n_q, d_head], [stride_qb, stride_qh, stride_qm, 1],
+                                       [1, 1, BLOCK_M, BLOCK_D])
+    k_desc = tl.make_tensor_descriptor(K, [n_batch, n_kv_heads, n_k, d_head], [stride_kb, stride_kh, stride_kn, 1],
+                                       [1, 1, BLOCK_N, BLOCK_D])
+    v_desc = tl.make_tensor_descriptor(V, [n_batch, n_kv_heads, n_k, d_head], [stride_vb, stride_vh, stride_vn, 1],
+                                       [1, 1, BLOCK_N, BLOCK_D])
+    o_desc = tl.make_tensor_descriptor(O, [n_batch, n_heads, n_q, d_head], [stride_ob, stride_oh, stride_om, 1],
+                                       [1, 1, BLOCK_M, BLOCK_D])
+    q = tl.reshape(q_desc.load([b, h, start_m, 0]), (BLOCK_M, BLOCK_D))
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    shift = n_k - n_q
+    unbounded = 1 << 30
+    key_lo, full_lo, full_hi, key_hi = _key_ranges(start_m, n_q, n_k, unbounded, 0 if CAUSAL else unbounded,
+                                                   BLOCK_M, BLOCK_N)
+    # ---- key tiles: the unmasked middle, then the masked diagonal / ragged tail (no left bound: no masked head)
+    for start_n in range(full_lo, key_hi, BLOCK_N):
+        k = tl.reshape(k_desc.load([b, h_kv, start_n, 0]), (BLOCK_N, BLOCK_D))
+        v = tl.reshape(v_desc.load([b, h_kv, start_n, 0]), (BLOCK_N, BLOCK_D))
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        if start_n >= full_hi:
+            keys = start_n + offs_n
+            s = tl.where(_visible(offs_m, keys, n_k, shift, 0, 0, CAUSAL, False), s, float("-inf"))
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v)
+    # ---- epilogue: rows without a visible key give 0 and L = -inf; the store clips rows past n_q
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    o_desc.store([b, h, start_m, 0], tl.reshape(out.to(O.dtype.element_ty), (1, 1, BLOCK_M, BLOCK_D)))
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    tl.store(LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + offs_m, lse,
+             mask=(offs_m >= 0) & (offs_m < n_q))
 
 
 @triton.jit
@@ -301,9 +380,11 @@ def _load_lse_log2(LSE_ROW, offs_m, n_q):
 
 @triton.jit
 def _bwd_dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW, offs_n, d_mask,
-                   start_m, n_q, n_k, shift, win_left, win_right, qk_scale,
-                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Fold the query tile at ``start_m`` into this key tile's dK, dV."""
+                   start_m, n_q, n_k, shift, win_left, win_right, qk_scale, dq_ptrs, stride_dqm,
+                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
+                   ATOMIC_DQ: tl.constexpr):
+    """Fold the query tile at ``start_m`` into this key tile's dK, dV (and, with ``ATOMIC_DQ``, add its share of
+    dQ = dS K into the fp32 dQ buffer with atomics: no separate dQ kernel, 5 matmuls per tile pair, not 7)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     row_mask = (offs_m[:, None] < n_q) & d_mask[None, :]
     # ---- load a query tile, its dO, L and D (padding rows load as zero / +inf)
@@ -321,31 +402,38 @@ def _bwd_dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW
     dp_t = tl.dot(v, tl.trans(do))
     ds_t = p_t * (dp_t - delta[None, :])
     dk += tl.dot(ds_t.to(q.dtype), q)
+    if ATOMIC_DQ:
+        # unscaled dS K: the launcher applies the softmax scale once when it converts the buffer
+        dq = tl.dot(tl.trans(ds_t).to(k.dtype), k)
+        tl.atomic_add(dq_ptrs + offs_m[:, None].to(tl.int64) * stride_dqm, dq, mask=row_mask)
     return dk, dv
 
 
 @triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW,
-                    offs_n, d_mask, q_start, q_end, n_q, n_k, shift, win_left, win_right, qk_scale,
-                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr):
+                    offs_n, d_mask, q_start, q_end, n_q, n_k, shift, win_left, win_right, qk_scale, dq_ptrs,
+                    stride_dqm, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                    BLOCK_M: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     """Fold query tiles ``[q_start, q_end)`` of one query head into dK, dV."""
     for start_m in range(q_start, q_end, BLOCK_M):
         dk, dv = _bwd_dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW, offs_n,
-                                d_mask, start_m, n_q, n_k, shift, win_left, win_right, qk_scale,
-                                MASKED=MASKED, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_M=BLOCK_M)
+                                d_mask, start_m, n_q, n_k, shift, win_left, win_right, qk_scale, dq_ptrs, stride_dqm,
+                                MASKED=MASKED, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_M=BLOCK_M, ATOMIC_DQ=ATOMIC_DQ)
     return dk, dv
 
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lb, stride_lh,
+    stride_dqb, stride_dqh, stride_dqm,
     n_kv_heads, group, bh_start, n_q, n_k, d_head, qk_scale, sm_scale, win_left, win_right,
     GQA: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
+    # ATOMIC_DQ: DQ is an fp32 [b, h, n_q, d] buffer that every key tile adds its dS K share into
     # grid axis 1 walks (batch, kv head) pairs; the group's query heads are summed in a fixed order below
     b, h_kv, q_start, n_q, k_start, n_k = _sequence(tl.program_id(1) + bh_start, n_kv_heads, CU_Q, CU_K, n_q, n_k,
                                                     VARLEN)
@@ -380,9 +468,11 @@ def _bwd_dkdv_kernel(
             row_lse = b * stride_lb + h * stride_lh + q_start
             q_ptrs = Q + b * stride_qb + h * stride_qh + q_start * stride_qm + offs_d[None, :]
             do_ptrs = DO + b * stride_dob + h * stride_doh + q_start * stride_dom + offs_d[None, :]
+            dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + q_start * stride_dqm + offs_d[None, :]
             dk, dv = _bwd_dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE + row_lse,
                                     DELTA + row_lse, offs_n, d_mask, start_m, n_q, n_k, shift, win_left, win_right,
-                                    qk_scale, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_M=BLOCK_M)
+                                    qk_scale, dq_ptrs, stride_dqm, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW,
+                                    BLOCK_M=BLOCK_M, ATOMIC_DQ=ATOMIC_DQ)
     else:
         # ---- one query head: masked head range, unmasked middle, masked tail
         h = h_kv
@@ -390,16 +480,20 @@ def _bwd_dkdv_kernel(
         do_ptrs = DO + b * stride_dob + h * stride_doh + q_start * stride_dom + offs_d[None, :]
         LSE_ROW = LSE + b * stride_lb + h * stride_lh + q_start  # this query head's row of L (and of D below)
         DELTA_ROW = DELTA + b * stride_lb + h * stride_lh + q_start
+        dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + q_start * stride_dqm + offs_d[None, :]
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW,
                                  offs_n, d_mask, q_lo, full_lo, n_q, n_k, shift, win_left, win_right,
-                                 qk_scale, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_M=BLOCK_M)
+                                 qk_scale, dq_ptrs, stride_dqm, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW,
+                                 BLOCK_M=BLOCK_M, ATOMIC_DQ=ATOMIC_DQ)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW,
                                  offs_n, d_mask, full_lo, full_hi, n_q, n_k, shift, win_left, win_right,
-                                 qk_scale, MASKED=False, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_M=BLOCK_M)
+                                 qk_scale, dq_ptrs, stride_dqm, MASKED=False, CAUSAL=CAUSAL, WINDOW=WINDOW,
+                                 BLOCK_M=BLOCK_M, ATOMIC_DQ=ATOMIC_DQ)
         if WINDOW:
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW,
                                      offs_n, d_mask, full_hi, q_hi, n_q, n_k, shift, win_left, win_right,
-                                     qk_scale, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_M=BLOCK_M)
+                                     qk_scale, dq_ptrs, stride_dqm, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW,
+                                     BLOCK_M=BLOCK_M, ATOMIC_DQ=ATOMIC_DQ)
 
     # ---- store; S was scaled by sm_scale, so dK picks it up once here
     dk = dk * sm_scale
@@ -412,14 +506,14 @@ def _bwd_dkdv_kernel(
 @triton.jit
 def _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask,
                   k_start, k_end, n_k, shift, win_left, win_right, qk_scale,
-                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
+                  EVEN_D: tl.constexpr):
     """Fold key tiles ``[k_start, k_end)`` into dQ; padding keys load as zero and add nothing."""
     for start_n in range(k_start, k_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n[:, None] < n_k) & d_mask[None, :]
         # ---- load a key/value tile (padding keys load as zero and contribute nothing to dQ)
-        k = tl.load(k_ptrs + offs_n[:, None].to(tl.int64) * stride_kn, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs + offs_n[:, None].to(tl.int64) * stride_vn, mask=kv_mask, other=0.0)
+        k, v = _load_kv(k_ptrs + offs_n[:, None].to(tl.int64) * stride_kn,
+                        v_ptrs + offs_n[:, None].to(tl.int64) * stride_vn, offs_n, n_k, d_mask, MASKED, EVEN_D)
         # ---- P = exp(S - L), dP = dO Vᵀ, dS = P (dP - D), dQ += dS K
         s = tl.dot(q, tl.trans(k)) * qk_scale
         p = tl.math.exp2(s - lse[:, None])
@@ -439,7 +533,7 @@ def _bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh,
     n_heads, group, bh_start, n_q, n_k, d_head, qk_scale, sm_scale, win_left, win_right,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     b, h, q_start, n_q, k_start, n_k = _sequence(tl.program_id(1) + bh_start, n_heads, CU_Q, CU_K, n_q, n_k, VARLEN)
     start_m = _query_tile_start(tl.program_id(0), n_q, CAUSAL, BLOCK_M)
@@ -467,13 +561,13 @@ def _bwd_dq_kernel(
     if WINDOW:
         dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask,
                            key_lo, full_lo, n_k, shift, win_left, win_right, qk_scale, MASKED=True, CAUSAL=CAUSAL,
-                           WINDOW=WINDOW, BLOCK_N=BLOCK_N)
+                           WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask,
                        full_lo, full_hi, n_k, shift, win_left, win_right, qk_scale, MASKED=False, CAUSAL=CAUSAL,
-                       WINDOW=WINDOW, BLOCK_N=BLOCK_N)
+                       WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask,
                        full_hi, key_hi, n_k, shift, win_left, win_right, qk_scale, MASKED=True, CAUSAL=CAUSAL,
-                       WINDOW=WINDOW, BLOCK_N=BLOCK_N)
+                       WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D)
 
     dq = dq * sm_scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + rows_m * stride_dqm + offs_d[None, :],
@@ -507,23 +601,53 @@ def _block_d(d: int) -> int:
     return max(16, next_pow2(d))
 
 
+_CONFIG_FIELDS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+
+
+def _tuned(kernel: str, d: int, dtype: torch.dtype, device: torch.device, shipped: tuple) -> tuple[int, int, int, int]:
+    """The shipped ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``, unless a tuned table (``kernels/tuned``, from a
+    GPU run of the suite's sweep) or a sweep override has an entry for this GPU, dtype and head dim."""
+    cfg = tuned.choose(kernel, f"{tuned.dtype_name(dtype)}-d{_block_d(d)}", device, dict(zip(_CONFIG_FIELDS, shipped)))
+    return tuple(cfg[f] for f in _CONFIG_FIELDS)
+
+
+def _tma_selected(d: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a tuned table (or the sweep) asks for the TMA forward here; never by default. Hopper (sm_90+) or
+    the interpreter (which emulates descriptors) only."""
+    chosen = tuned.choose("attention_fwd", f"{tuned.dtype_name(dtype)}-d{_block_d(d)}", device, {"TMA": 0})["TMA"]
+    # cuda: the device's capability; meta (the SASS report): the assumed target; cpu: the interpreter
+    hopper = device.type == "cpu" or gpu_capability(device) >= 90
+    return bool(chosen) and hopper
+
+
+def _tma_ready(*views: torch.Tensor) -> bool:
+    """TMA descriptors need 16-byte aligned base addresses and strides (the last stride 1)."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(-1) == 1
+               and all((st * t.element_size()) % 16 == 0 for st in t.stride()[:-1]) for t in views)
+
+
+def _set_tma_allocator(device: torch.device) -> None:
+    """Descriptors made inside a kernel need a little global scratch memory, allocated through Triton's hook."""
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+
+
 def _fwd_config(d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
     if not on_gpu(device):
-        return INTERPRETER_CONFIG
+        return _tuned("attention_fwd", d, dtype, device, INTERPRETER_CONFIG)
     block_m, block_n, warps, stages = FWD_CONFIGS[_block_d(d)]
     if dtype == torch.float32:
         block_n = max(16, block_n // 2)
-    return block_m, block_n, warps, stages
+    return _tuned("attention_fwd", d, dtype, device, (block_m, block_n, warps, stages))
 
 
 def _bwd_config(d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
     if not on_gpu(device):
-        return INTERPRETER_CONFIG
+        return _tuned("attention_bwd", d, dtype, device, INTERPRETER_CONFIG)
     table = BWD_CONFIGS_SM80 if gpu_capability(device) < 90 else {}
     block_m, block_n, warps, stages = table.get(_block_d(d), BWD_CONFIGS[_block_d(d)])
     if dtype == torch.float32:
         block_m, block_n = max(16, block_m // 2), max(16, block_n // 2)
-    return block_m, block_n, warps, stages
+    return _tuned("attention_bwd", d, dtype, device, (block_m, block_n, warps, stages))
 
 
 def _strides3(t: torch.Tensor, packed: bool = False):
@@ -620,7 +744,7 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
     cu_q = cu_seqlens_q if packed else lse  # (unused pointer for batches)
     cu_k = cu_seqlens_k if packed else lse
     common = dict(CAUSAL=is_causal, WINDOW=_has_window(is_causal, window), VARLEN=packed, BLOCK_D=_block_d(d),
-                  **_dot_precision(q.dtype))
+                  EVEN_D=d == _block_d(d), **_dot_precision(q.dtype))
     args = lambda o_arg, lse_arg, o_strides, l_strides: (  # noqa: E731
         q4, k4, v4, o_arg, lse_arg, cu_q, cu_k, *_strides3(q4, packed), *_strides3(k4, packed),
         *_strides3(v4, packed), *o_strides, *l_strides)
@@ -640,6 +764,17 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
                                         n_q, d, BLOCK_M=block_m, BLOCK_D=_block_d(d), num_warps=4)
         return o, lse
     block_m, block_n, warps, stages = _fwd_config(d, q.dtype, q.device)
+    if not packed and not common["WINDOW"] and _tma_selected(d, q.dtype, q.device) and _tma_ready(q4, k4, v4, o4):
+        # ---- Hopper TMA variant (chosen only by a tuned table / the sweep): dense attention, descriptor loads
+        _set_tma_allocator(q.device)
+        for bh_start, n_bh in grid_axis1_launches(b * h):
+            if bh_start:  # (descriptors index whole tensors: more than 65535 batch x heads keep the default kernel)
+                raise NotImplementedError("TMA attention: batch x heads beyond one launch")
+            _fwd_kernel_tma[(triton.cdiv(n_q, block_m), n_bh)](
+                q4, k4, v4, o4, lse, *_strides3(q4), *_strides3(k4), *_strides3(v4), *_strides3(o4), *lse_strides,
+                b, h, k4.shape[1], group, n_q, n_k, d, softmax_scale * LOG2E, CAUSAL=is_causal, BLOCK_M=block_m,
+                BLOCK_N=block_n, BLOCK_D=_block_d(d), num_warps=warps, num_stages=stages, **_dot_precision(q.dtype))
+        return o, lse
     if (packed or common["WINDOW"]) and on_gpu(q.device) and gpu_capability(q.device) < 90 and d > 64:
         # sm_80 at d 128: the packed / windowed forward's extra range bookkeeping spills with 64-key tiles
         # (40 / 16 bytes in the SASS report); 32-key tiles are spill-free
@@ -655,8 +790,10 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
 
 
 def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale: float, window=(-1, -1),
-                             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0):
-    """Returns ``(dq, dk, dv)`` laid out like q, k, v."""
+                             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+                             deterministic: bool = True):
+    """Returns ``(dq, dk, dv)`` laid out like q, k, v. ``deterministic=False`` accumulates dQ with fp32 atomics
+    inside the dK/dV kernel instead of running the dQ kernel (fewer matmuls; summation order varies by run)."""
     packed = cu_seqlens_q is not None
     q4, k4, v4, o4, do4 = (_as_4d(t, packed) for t in (q, k, v, o, do))
     b, h, n_q, d = q4.shape
@@ -692,15 +829,26 @@ def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale
             o4, do4, delta, cu_q, cu_k, *_strides3(o4, packed), *do_s, *lse_strides, h, bh_start, n_q, d,
             VARLEN=packed, BLOCK_M=pre_m, BLOCK_D=block_d)
     # dK/dV: one program per (key tile, batch, kv head), summing its group of query heads (needs every D above)
+    if not deterministic and block_d >= 128 and on_gpu(q.device):
+        # the atomic variant holds a dQ tile besides dK/dV: 64-query tiles spill at d 128 (80 B on sm_90)
+        block_m = min(block_m, 32)
+        tiles["BLOCK_M"] = block_m
+    # non-deterministic variant: an fp32 dQ buffer laid out [b, h, rows, d] like q4 that the dK/dV kernel adds into
+    dq_acc = torch.zeros(q4.shape, dtype=torch.float32, device=q.device) if not deterministic else dq4
     for bh_start, n_bh in grid_axis1_launches(b * h_kv):
         _bwd_dkdv_kernel[(triton.cdiv(n_k, block_n), n_bh)](
-            q4, k4, v4, do4, lse, delta, dk4, dv4, cu_q, cu_k, *q_s, *k_s, *v_s, *do_s,
-            *_strides3(dk4, packed), *_strides3(dv4, packed), *lse_strides,
-            h_kv, group, bh_start, n_q, n_k, d, qk_scale, softmax_scale, win_left, win_right, GQA=group > 1, **tiles)
+            q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc, cu_q, cu_k, *q_s, *k_s, *v_s, *do_s,
+            *_strides3(dk4, packed), *_strides3(dv4, packed), *lse_strides, *_strides3(dq_acc, packed),
+            h_kv, group, bh_start, n_q, n_k, d, qk_scale, softmax_scale, win_left, win_right, GQA=group > 1,
+            ATOMIC_DQ=not deterministic, **tiles)
+    if not deterministic:
+        dq4.copy_(dq_acc.mul_(softmax_scale))
+        return dq, dk, dv
     for bh_start, n_bh in grid_axis1_launches(b * h):
         _bwd_dq_kernel[(triton.cdiv(n_q, block_m), n_bh)](
             q4, k4, v4, do4, lse, delta, dq4, cu_q, cu_k, *q_s, *k_s, *v_s, *do_s, *_strides3(dq4, packed),
-            *lse_strides, h, group, bh_start, n_q, n_k, d, qk_scale, softmax_scale, win_left, win_right, **tiles)
+            *lse_strides, h, group, bh_start, n_q, n_k, d, qk_scale, softmax_scale, win_left, win_right,
+            EVEN_D=d == block_d, **tiles)
     return dq, dk, dv
 
 
@@ -728,14 +876,14 @@ def _(q, k, v, is_causal, softmax_scale, window_left, window_right, cu_seqlens_q
 def _fa_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                lse: torch.Tensor, is_causal: bool, softmax_scale: float, window_left: int, window_right: int,
                cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
-               max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               max_seqlen_k: int, deterministic: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return flash_attention_backward(do, q, k, v, o, lse, is_causal, softmax_scale, (window_left, window_right),
-                                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic)
 
 
 @_fa_bwd_op.register_fake
 def _(do, q, k, v, o, lse, is_causal, softmax_scale, window_left, window_right, cu_seqlens_q, cu_seqlens_k,
-      max_seqlen_q, max_seqlen_k):
+      max_seqlen_q, max_seqlen_k, deterministic=True):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -775,11 +923,13 @@ class FlashAttention(torch.autograd.Function):
 
     Internal extras (used by :func:`flash_attn_func` / :func:`flash_attn_varlen_func`): ``window=(left, right)``
     (-1 = unbounded, flash-attn's convention) and packed sequences (``cu_seqlens_q/k`` with ``q[total, heads, d]``).
+    ``deterministic=False`` (the last argument) selects the backward that adds dQ with atomics inside the dK/dV
+    kernel (fewer matmuls, run-to-run summation order varies); the default keeps every gradient deterministic.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal=False, softmax_scale=None, window=None, cu_seqlens_q=None,
-                cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+                cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, deterministic=True):
         if cu_seqlens_q is None:
             check_attention_inputs("FlashAttention", q, k, v)
         check_float("FlashAttention", q)
@@ -796,7 +946,7 @@ class FlashAttention(torch.autograd.Function):
             else:
                 o, lse = flash_attention_forward(q, k, v, bool(is_causal), scale, window, *extra[2:])
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.is_causal, ctx.scale, ctx.extra = bool(is_causal), scale, extra
+        ctx.is_causal, ctx.scale, ctx.extra, ctx.deterministic = bool(is_causal), scale, extra, bool(deterministic)
         return o
 
     @staticmethod
@@ -806,14 +956,15 @@ class FlashAttention(torch.autograd.Function):
         extra = ctx.extra
         with kernel_range("tritonlm::flash_attention_bwd"):
             if use_custom_op(q):
-                dq, dk, dv = _fa_bwd_op(do, q, k, v, o, lse, ctx.is_causal, ctx.scale, *extra)
+                dq, dk, dv = _fa_bwd_op(do, q, k, v, o, lse, ctx.is_causal, ctx.scale, *extra, ctx.deterministic)
             else:
                 dq, dk, dv = flash_attention_backward(do, q, k, v, o, lse, ctx.is_causal, ctx.scale, extra[:2],
-                                                      *extra[2:])
-        return dq, dk, dv, None, None, None, None, None, None, None
+                                                      *extra[2:], deterministic=ctx.deterministic)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
-                    softmax_scale: float | None = None) -> torch.Tensor:
-    """Functional entry point: ``softmax(q kᵀ · scale [+ causal mask]) v`` via :class:`FlashAttention`."""
-    return FlashAttention.apply(q, k, v, is_causal, softmax_scale)
+                    softmax_scale: float | None = None, *, deterministic: bool = True) -> torch.Tensor:
+    """Functional entry point: ``softmax(q kᵀ · scale [+ causal mask]) v`` via :class:`FlashAttention`.
+    ``deterministic=False``: the atomic-dQ backward (see :class:`FlashAttention`)."""
+    return FlashAttention.apply(q, k, v, is_causal, softmax_scale, None, None, None, 0, 0, deterministic)

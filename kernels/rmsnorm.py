@@ -10,12 +10,12 @@ With ``cast_xhat`` (Hugging Face Llama's casting: ``weight * (x * rstd).to(x.dty
 is rounded to x's dtype before the weight multiply, and ``dweight`` sums ``dy`` times that rounded value.
 
 ``dweight`` is summed per program into a ``[programs, n_cols]`` fp32 buffer, then reduced by a second
-small kernel: deterministic, no float atomics.
+small kernel spread over ~16 column blocks (:func:`_column_sum_config`): deterministic, no float atomics.
 
-Launch rule (:func:`_launch_config`): a row of up to ``MAX_FUSED_COLS`` elements is held in registers
-(``ROW_IN_REGISTERS``) and small rows are packed several per program so a tile holds ~4K elements; longer
-rows are walked in ``CHUNK_COLS``-wide chunks, twice (statistics, then output), the second pass served
-from L2. ``num_warps`` grows with the tile, one warp per 512 elements (16 values per thread per operand).
+Launch rule (:func:`_launch_config`): a row of up to ``MAX_FUSED_COLS`` elements (the forward: up to
+``MAX_FUSED_COLS_FWD``) is held in registers (``ROW_IN_REGISTERS``) and small rows are packed several per program
+so a tile holds ~4K elements; longer rows are walked in ``CHUNK_COLS``-wide chunks, twice (statistics, then
+output), the second pass served from L2. ``num_warps`` grows with the tile, one warp per 512 elements (16 values per thread per operand).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ..profiling import kernel_range
+from . import tuned
 from ._common import (
     as_rows,
     check_device,
@@ -36,6 +37,11 @@ from ._common import (
 )
 
 MAX_FUSED_COLS = 8192   # widest row kept whole in registers (fp32: 8192 / (32 × 16 warps) = 16 per thread)
+# The forward holds only x (and w) per row: 16384 columns are 32 fp32 values per thread at 16 warps, spill-free
+# (62-64 registers in the SASS report), so rows up to this width are read once. The backward holds x, dy and their
+# products: at 16384 its 128-register cap (16 warps) spills 72-192 bytes, so it keeps the 8192 limit and walks
+# wider rows twice (the second pass served from L2).
+MAX_FUSED_COLS_FWD = 16384
 CHUNK_COLS = 4096       # chunk width when a row is longer than that
 TILE_ELEMENTS = 4096    # rows packed per program for short rows: BLOCK_M × BLOCK_N ≈ this
 
@@ -209,9 +215,12 @@ def _column_sum_kernel(PARTIAL, OUT, n_partials, n_cols, BLOCK_P: tl.constexpr, 
 # ----------------------------------------------------------------------------------------------------
 # launchers
 # ----------------------------------------------------------------------------------------------------
-def _launch_config(n_cols: int) -> dict:
-    """Block sizes and warps for a row length (see the module docstring for the rule)."""
-    if n_cols <= MAX_FUSED_COLS:
+def _launch_config(n_cols: int, dtype: torch.dtype | None = None, device: torch.device | None = None,
+                   forward: bool = False) -> dict:
+    """Block sizes and warps for a row length (see the module docstring for the rule); rows held in registers may
+    take rows-per-program and warps from a tuned table (``kernels/tuned``) for this GPU."""
+    limit = MAX_FUSED_COLS_FWD if forward else MAX_FUSED_COLS
+    if n_cols <= limit:
         block_n = next_pow2(n_cols)
         block_m = max(1, min(16, TILE_ELEMENTS // block_n))
     else:
@@ -219,7 +228,18 @@ def _launch_config(n_cols: int) -> dict:
     # one warp per 512 elements of the tile, 4 to 16: 16 values per thread per operand keeps the
     # backward (x, dy and their fp32 products live at once) far from the register limit
     num_warps = max(4, min(16, block_m * block_n // 512))
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, ROW_IN_REGISTERS=n_cols <= MAX_FUSED_COLS, num_warps=num_warps)
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, ROW_IN_REGISTERS=n_cols <= limit, num_warps=num_warps)
+    if cfg["ROW_IN_REGISTERS"] and device is not None:
+        cfg = tuned.choose("rms_norm", f"{tuned.dtype_name(dtype)}-n{block_n}", device, cfg)
+    return cfg
+
+
+def _column_sum_config(n_cols: int) -> dict:
+    """The dweight reduction over the backward's per-program partial rows: at least ~16 column blocks so the sum
+    runs on many SMs (one CTA summing a whole d_model row of partials is latency-bound), each reading
+    ``BLOCK_P x BLOCK_N`` (~2K elements) per step."""
+    block_n = max(32, min(256, next_pow2(triton.cdiv(n_cols, 16))))
+    return dict(BLOCK_N=block_n, BLOCK_P=max(4, 2048 // block_n), num_warps=4)
 
 
 def _autocast_on(device_type: str) -> bool:
@@ -251,7 +271,7 @@ def _launch_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torc
     res_rows = as_rows(residual) if residual is not None else x_rows
     h = torch.empty_like(y) if residual is not None else None
     if n_rows:
-        cfg = _launch_config(n_cols)
+        cfg = _launch_config(n_cols, x.dtype, x.device, forward=True)
         grid = (triton.cdiv(n_rows, cfg["BLOCK_M"]),)
         _rms_norm_fwd_kernel[grid](x_rows, res_rows, h if h is not None else y, weight, y, rstd,
                                    x_rows.stride(0), res_rows.stride(0), n_cols, n_rows, n_cols, float(eps),
@@ -277,7 +297,7 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     dh_rows = as_rows(dh) if dh is not None else dy_rows
     n_rows, n_cols = x_rows.shape
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous: row stride n_cols
-    cfg = _launch_config(n_cols)
+    cfg = _launch_config(n_cols, x.dtype, x.device)
     n_blocks = triton.cdiv(n_rows, cfg["BLOCK_M"])
     n_programs = num_persistent_programs(x, n_blocks)
     # every program writes its whole partial row when rows fit in registers; the chunked path
@@ -290,9 +310,8 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
             dh_rows.stride(0), n_rows, n_cols, triton.cdiv(n_blocks, n_programs), HAS_DH=dh is not None,
             CAST_XHAT=cast_xhat, **cfg)
     dweight = torch.empty(n_cols, dtype=weight.dtype, device=weight.device)
-    block_n = min(1024, next_pow2(n_cols))
-    _column_sum_kernel[(triton.cdiv(n_cols, block_n),)](dw_partial, dweight, n_programs, n_cols,
-                                                         BLOCK_P=4, BLOCK_N=block_n, num_warps=4)
+    sum_cfg = _column_sum_config(n_cols)
+    _column_sum_kernel[(triton.cdiv(n_cols, sum_cfg["BLOCK_N"]),)](dw_partial, dweight, n_programs, n_cols, **sum_cfg)
     return dx, dweight
 
 

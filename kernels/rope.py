@@ -26,13 +26,16 @@ import triton
 import triton.language as tl
 
 from ..profiling import kernel_range
+from . import tuned
 from ._common import (
+    ASSUMED_SM_COUNT,
     as_4d,
     check_device,
     check_float,
     first_order_backward,
     grid_axis1_launches,
     next_pow2,
+    sm_count,
     use_custom_op,
 )
 
@@ -45,15 +48,19 @@ def _rope_kernel(
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_qob, stride_qoh, stride_qos, stride_kob, stride_koh, stride_kos,
     stride_pb, stride_ph, stride_ps,
-    n_heads, bh_start, seq_len, d_head,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, INVERSE: tl.constexpr, HALF_SPLIT: tl.constexpr,
+    n_heads, n_heads_k, bh_start, seq_len, d_head,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HEADS: tl.constexpr, INVERSE: tl.constexpr,
+    HALF_SPLIT: tl.constexpr,
 ):
-    # grid: (seq blocks, batch*heads from bh_start, 1 for q only / 2 for q and k)
+    # grid: (seq blocks, batch x head groups from bh_start, 1 for q only / 2 for q and k). A program rotates
+    # HEADS consecutive heads of q (or of k, which may have fewer: GQA) at one block of positions, so the
+    # positions and their cos/sin are loaded once for all of them (HEADS > 1 needs positions shared by heads).
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1) + bh_start
+    groups = tl.cdiv(n_heads, HEADS)
     # 64-bit offsets: one [heads, seq, d] batch may hold more than 2**31 elements
-    b = (pid_bh // n_heads).to(tl.int64)
-    h = (pid_bh % n_heads).to(tl.int64)
+    b = (pid_bh // groups).to(tl.int64)
+    h0 = (pid_bh % groups).to(tl.int64) * HEADS
     s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
     s_mask = s < seq_len
     rows = s[:, None].to(tl.int64)
@@ -62,7 +69,7 @@ def _rope_kernel(
 
     # ---- positions -> cos/sin of each (position, pair): the table row of a position is contiguous,
     # so load [BLOCK_S, BLOCK_D/2] (vectorised); the interleaved layout repeats each value on its pair's two lanes
-    pos = tl.load(POS + b * stride_pb + h * stride_ph + s.to(tl.int64) * stride_ps, mask=s_mask, other=0)
+    pos = tl.load(POS + b * stride_pb + h0 * stride_ph + s.to(tl.int64) * stride_ps, mask=s_mask, other=0)
     half = d_head // 2
     pairs = tl.arange(0, BLOCK_D // 2)
     table = pos[:, None].to(tl.int64) * half + pairs[None, :]
@@ -73,16 +80,28 @@ def _rope_kernel(
     if INVERSE:
         sin_half = -sin_half
 
-    # ---- q (program axis 2 == 0) or k (== 1)
-    if tl.program_id(2) == 0:
-        src = Q + b * stride_qb + h * stride_qh
-        dst = Q_OUT + b * stride_qob + h * stride_qoh
-        src_s, dst_s = stride_qs, stride_qos
-    else:
-        src = K + b * stride_kb + h * stride_kh
-        dst = K_OUT + b * stride_kob + h * stride_koh
-        src_s, dst_s = stride_ks, stride_kos
+    # ---- q (program axis 2 == 0) or k (== 1): this program's heads of it
+    is_q = tl.program_id(2) == 0
+    heads_here = n_heads if is_q else n_heads_k
+    for i in range(HEADS):
+        h = h0 + i
+        if h < heads_here:
+            if is_q:
+                src = Q + b * stride_qb + h * stride_qh
+                dst = Q_OUT + b * stride_qob + h * stride_qoh
+                src_s, dst_s = stride_qs, stride_qos
+            else:
+                src = K + b * stride_kb + h * stride_kh
+                dst = K_OUT + b * stride_kob + h * stride_koh
+                src_s, dst_s = stride_ks, stride_kos
+            _rotate_rows(src, dst, src_s, dst_s, rows, cols, pairs, mask, table_mask, half, cos_half, sin_half,
+                         BLOCK_S, BLOCK_D, HALF_SPLIT)
 
+
+@triton.jit
+def _rotate_rows(src, dst, src_s, dst_s, rows, cols, pairs, mask, table_mask, half, cos_half, sin_half,
+                 BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HALF_SPLIT: tl.constexpr):
+    """Rotate one head's ``[BLOCK_S, d]`` rows from ``src`` into ``dst`` (load -> rotate in fp32 -> store)."""
     if HALF_SPLIT:
         # ---- half-split layout (Hugging Face's rotate_half): pair i is (x[i], x[i + d/2]); each half is a
         # contiguous [BLOCK_S, BLOCK_D/2] load, so no lane shuffles are needed
@@ -92,8 +111,8 @@ def _rope_kernel(
         out1 = x1 * cos_half - x2 * sin_half
         out2 = x2 * cos_half + x1 * sin_half
         out_first = dst + rows * dst_s + pairs[None, :]
-        tl.store(out_first, out1.to(Q_OUT.dtype.element_ty), mask=table_mask)
-        tl.store(out_first + half, out2.to(Q_OUT.dtype.element_ty), mask=table_mask)
+        tl.store(out_first, out1.to(dst.dtype.element_ty), mask=table_mask)
+        tl.store(out_first + half, out2.to(dst.dtype.element_ty), mask=table_mask)
     else:
         # ---- interleaved layout: repeat each pair's cos/sin on its two lanes
         cos = tl.reshape(tl.join(cos_half, cos_half), (BLOCK_S, BLOCK_D))
@@ -106,7 +125,7 @@ def _rope_kernel(
         even, odd = tl.split(tl.reshape(x, (BLOCK_S, BLOCK_D // 2, 2)))
         partner = tl.reshape(tl.join(odd, even), (BLOCK_S, BLOCK_D))
         out = x * cos + sign[None, :] * partner * sin
-        tl.store(dst + rows * dst_s + cols[None, :], out.to(Q_OUT.dtype.element_ty), mask=mask)
+        tl.store(dst + rows * dst_s + cols[None, :], out.to(dst.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -124,16 +143,38 @@ def rope_tables(theta: float, d_head: int, n_positions: int, device=None):
     return _cached_tables(float(theta), int(d_head), int(n_positions), torch.device(device or "cpu"))
 
 
-def _launch_config(d_head: int) -> dict:
+#: Programs to keep in flight before several heads share one (so their cos/sin load is shared): ~4 per SM.
+MIN_PROGRAMS_PER_SM = 4
+MAX_HEADS_PER_PROGRAM = 8
+
+
+def _launch_config(d_head: int, dtype: torch.dtype | None = None, device: torch.device | None = None) -> dict:
+    """A ~4K-element tile of whole head rows; rows per program, heads per program and warps may come from a tuned
+    table (``HEADS`` is then settled by :func:`_heads_per_program`)."""
     block_d = max(2, next_pow2(d_head))
     block_s = max(1, min(64, TILE_ELEMENTS // block_d))
-    return dict(BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4 if block_s * block_d <= 4096 else 8)
+    cfg = dict(BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4 if block_s * block_d <= 4096 else 8)
+    if device is None:
+        return cfg
+    return tuned.choose("rope", f"{tuned.dtype_name(dtype)}-d{block_d}", device, cfg)
+
+
+def _heads_per_program(device: torch.device, programs_one_head: int, n_heads: int) -> int:
+    """The most heads (a power of two, at most 8) a program can take while the grid keeps about four programs per
+    SM: memory-bound, the kernel needs them in flight more than it needs fewer table loads."""
+    sms = sm_count(device.index or 0) if device.type == "cuda" else ASSUMED_SM_COUNT
+    heads = 1
+    while (heads < min(MAX_HEADS_PER_PROGRAM, n_heads)
+           and programs_one_head // (2 * heads) >= MIN_PROGRAMS_PER_SM * sms):
+        heads *= 2
+    return heads
 
 
 def rope_forward(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                  positions: torch.Tensor, inverse: bool = False, half_split: bool = False):
-    """Rotate ``q`` (and ``k``, same shape) at ``positions`` (broadcastable to ``q.shape[:-1]``); ``half_split``
-    pairs ``(x[i], x[i + d/2])`` instead of ``(x[2i], x[2i+1])``."""
+    """Rotate ``q`` (and ``k``) at ``positions`` (broadcastable to ``q.shape[:-1]``); ``half_split`` pairs
+    ``(x[i], x[i + d/2])`` instead of ``(x[2i], x[2i+1])``. ``k`` may have fewer heads than q (dim -3, GQA) when
+    the positions are the same for every head; one launch either way."""
     tensors = [q] if k is None else [q, k]
     views = [as_4d(t) for t in tensors]
     outs, out_views = [], []
@@ -146,19 +187,27 @@ def rope_forward(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin
         outs.append(out)
         out_views.append(view)
     b, h, s, d = views[0].shape
+    h_k = views[-1].shape[1]
     pos = torch.broadcast_to(positions, q.shape[:-1])
     pos = as_4d(pos.unsqueeze(-1))[..., 0]  # [batch, heads, seq] with 0 strides where broadcast
+    if h_k != h and pos.stride(1) != 0:
+        raise ValueError("rope_forward: k with fewer heads than q needs positions shared by all heads")
     if q.numel():
-        cfg = _launch_config(d)
+        cfg = dict(_launch_config(d, q.dtype, q.device))
+        heads = cfg.pop("HEADS", None)
+        if pos.stride(1) != 0:  # per-head positions: each head has its own cos/sin rows
+            heads = 1
+        elif heads is None:
+            heads = _heads_per_program(q.device, triton.cdiv(s, cfg["BLOCK_S"]) * b * h * len(tensors), h)
         qv, kv = views[0], views[-1]
         qo, ko = out_views[0], out_views[-1]
-        for bh_start, n_bh in grid_axis1_launches(b * h):
+        for bh_start, n_bh in grid_axis1_launches(b * triton.cdiv(h, heads)):
             _rope_kernel[(triton.cdiv(s, cfg["BLOCK_S"]), n_bh, len(tensors))](
                 qv, kv, qo, ko, cos, sin, pos,
                 qv.stride(0), qv.stride(1), qv.stride(2), kv.stride(0), kv.stride(1), kv.stride(2),
                 qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
                 pos.stride(0), pos.stride(1), pos.stride(2),
-                h, bh_start, s, d, INVERSE=inverse, HALF_SPLIT=half_split, **cfg)
+                h, h_k, bh_start, s, d, HEADS=heads, INVERSE=inverse, HALF_SPLIT=half_split, **cfg)
     return outs[0], (outs[1] if k is not None else None)
 
 
@@ -181,6 +230,7 @@ class RoPEFunction(torch.autograd.Function):
     def forward(ctx, q, k, cos, sin, positions, half_split=False):
         ctx.save_for_backward(cos, sin, positions)
         ctx.has_k, ctx.half_split = k is not None, half_split
+        ctx.q_shape, ctx.k_shape = q.shape, (k.shape if k is not None else None)
         with kernel_range("tritonlm::rope_fwd"):
             if use_custom_op(q):
                 q_out, k_out = _rope_op(q, k, cos, sin, positions, False, half_split)
@@ -191,11 +241,11 @@ class RoPEFunction(torch.autograd.Function):
     @first_order_backward
     def backward(ctx, dq_out, dk_out):
         cos, sin, positions = ctx.saved_tensors
-        if ctx.has_k:
+        if ctx.has_k:  # (k may have fewer heads than q: GQA)
             if dk_out is None:
-                dk_out = torch.zeros_like(dq_out)
+                dk_out = dq_out.new_zeros(ctx.k_shape)
             if dq_out is None:
-                dq_out = torch.zeros_like(dk_out)
+                dq_out = dk_out.new_zeros(ctx.q_shape)
         half = ctx.half_split
         rotate = (lambda a, b: _rope_op(a, b, cos, sin, positions, True, half)) if use_custom_op(dq_out) \
             else (lambda a, b: rope_forward(a, b, cos, sin, positions, inverse=True, half_split=half))
@@ -222,8 +272,11 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor | None = None, token_positions: 
         raise ValueError(f"apply_rope: layout must be 'interleaved' or 'half', got {layout!r}")
     if d % 2:
         raise ValueError(f"apply_rope: head dim must be even, got {d}")
-    if k is not None and k.shape != q.shape:
-        raise ValueError(f"apply_rope: q {tuple(q.shape)} and k {tuple(k.shape)} must have one shape")
+    gqa = (k is not None and k.dim() == q.dim() >= 3 and k.shape[:-3] == q.shape[:-3]
+           and k.shape[-2:] == q.shape[-2:] and k.shape[-3] <= q.shape[-3])
+    if k is not None and k.shape != q.shape and not gqa:
+        raise ValueError(f"apply_rope: q {tuple(q.shape)} and k {tuple(k.shape)} must have one shape (or k fewer "
+                         "heads on dim -3)")
     if k is not None and k.dtype != q.dtype:
         raise TypeError(f"apply_rope: q is {q.dtype} but k is {k.dtype}")
     check_float("apply_rope", q)

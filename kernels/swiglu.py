@@ -8,7 +8,11 @@ backward recomputes ``s = sigmoid(a)`` in registers::
 
 Math in fp32, results in the inputs' dtype. The tensors are walked as flat arrays of ``BLOCK`` elements
 per program (contiguous, so loads vectorise to 128-bit); ``BLOCK = 1024`` with 4 warps gives each thread
-8 elements: one 16-byte load per operand in bf16.
+8 elements: one 16-byte load per operand in bf16 (a tuned table, ``kernels/tuned``, may pick others per GPU).
+
+``inplace_backward=True`` writes da and db over the saved a and b (each program reads its elements before it
+writes them), so the backward allocates nothing: for the FFN's gate, whose a and b are the projections'
+fresh outputs that nothing else reads. The graph can then be walked backward only once.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ..profiling import kernel_range
+from . import tuned
 from ._common import check_device, check_float, first_order_backward, use_custom_op
 
 BLOCK = 1024
@@ -58,21 +63,28 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+def _launch_config(a: torch.Tensor) -> dict:
+    return tuned.choose("swiglu", tuned.dtype_name(a.dtype), a.device, dict(BLOCK=BLOCK, num_warps=4))
+
+
 def swiglu_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     a, b = _flat(a), _flat(b)
     h = torch.empty_like(a)
     n = a.numel()
     if n:
-        _swiglu_fwd_kernel[(triton.cdiv(n, BLOCK),)](a, b, h, n, BLOCK=BLOCK, num_warps=4)
+        cfg = _launch_config(a)
+        _swiglu_fwd_kernel[(triton.cdiv(n, cfg["BLOCK"]),)](a, b, h, n, **cfg)
     return h
 
 
-def swiglu_backward(dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
+def swiglu_backward(dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor, inplace: bool = False):
+    """``(da, db)``; with ``inplace`` they are written over (contiguous) a and b."""
     dh, a, b = _flat(dh), _flat(a), _flat(b)
-    da, db = torch.empty_like(a), torch.empty_like(b)
+    da, db = (a, b) if inplace else (torch.empty_like(a), torch.empty_like(b))
     n = a.numel()
     if n:
-        _swiglu_bwd_kernel[(triton.cdiv(n, BLOCK),)](dh, a, b, da, db, n, BLOCK=BLOCK, num_warps=4)
+        cfg = _launch_config(a)
+        _swiglu_bwd_kernel[(triton.cdiv(n, cfg["BLOCK"]),)](dh, a, b, da, db, n, **cfg)
     return da, db
 
 
@@ -101,8 +113,9 @@ class SwiGLUGateFunction(torch.autograd.Function):
     """Saves a and b only; backward recomputes the sigmoid."""
 
     @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor):
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, inplace_backward: bool = False):
         ctx.save_for_backward(a, b)
+        ctx.inplace, ctx.consumed = inplace_backward, False
         with kernel_range("tritonlm::swiglu_fwd"):
             return (_swiglu_fwd_op if use_custom_op(a) else swiglu_forward)(a, b)
 
@@ -110,16 +123,29 @@ class SwiGLUGateFunction(torch.autograd.Function):
     @first_order_backward
     def backward(ctx, dh: torch.Tensor):
         a, b = ctx.saved_tensors
+        if ctx.consumed:
+            raise RuntimeError("swiglu_gate(inplace_backward=True): its backward already overwrote the saved a and b; "
+                               "a second backward through the graph (retain_graph) needs inplace_backward=False")
+        # in place only in eager mode: under torch.compile the op stays functional
+        inplace = ctx.inplace and not use_custom_op(a) and a.is_contiguous() and b.is_contiguous()
+        ctx.consumed = inplace
         with kernel_range("tritonlm::swiglu_bwd"):
-            return (_swiglu_bwd_op if use_custom_op(a) else swiglu_backward)(dh, a, b)
+            if use_custom_op(a):
+                da, db = _swiglu_bwd_op(dh, a, b)
+            else:
+                da, db = swiglu_backward(dh, a, b, inplace)
+        return da, db, None
 
 
-def swiglu_gate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``silu(a) * b`` elementwise for ``a``, ``b`` of one shape and dtype (e.g. ``[..., d_ff]``)."""
+def swiglu_gate(a: torch.Tensor, b: torch.Tensor, *, inplace_backward: bool = False) -> torch.Tensor:
+    """``silu(a) * b`` elementwise for ``a``, ``b`` of one shape and dtype (e.g. ``[..., d_ff]``).
+
+    ``inplace_backward=True``: the backward writes the gradients over a and b (no new memory). Only for a and b
+    that nothing else reads afterwards (fresh projection outputs, as in the FFN), and one backward pass."""
     if a.shape != b.shape:
         raise ValueError(f"swiglu_gate: a {tuple(a.shape)} and b {tuple(b.shape)} must have one shape")
     if a.dtype != b.dtype:
         raise TypeError(f"swiglu_gate: a is {a.dtype} but b is {b.dtype}")
     check_float("swiglu_gate", a)
     check_device("swiglu_gate", a, b)
-    return SwiGLUGateFunction.apply(a, b)
+    return SwiGLUGateFunction.apply(a, b, inplace_backward)

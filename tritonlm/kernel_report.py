@@ -138,7 +138,7 @@ def representative_launches(quick: bool = False, arch: str = "sm_90") -> list[La
         return capture(thunk, cap)
 
     meta = torch.device("meta")
-    hiddens = [4096] if quick else [768, 4096, 8192]
+    hiddens = [4096] if quick else [768, 4096, 8192, 16384]
     dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float32]
     out: list[Launch] = []
     rows = 4096
@@ -202,6 +202,11 @@ def representative_launches(quick: bool = False, arch: str = "sm_90") -> list[La
             out.append(_to_launch("attention.bwd_preprocess", case, calls[0]))
             out.append(_to_launch("attention.bwd_dkdv", case, calls[1], flops=8 * b * h * causal_pairs * d))
             out.append(_to_launch("attention.bwd_dq", case, calls[2], flops=6 * b * h * causal_pairs * d))
+            # the opt-in non-deterministic backward: dQ added with atomics inside the dK/dV kernel, no dQ kernel
+            calls = calls_of(lambda q=q, lse=lse: fa.flash_attention_backward(q, q, q, q, q, lse, True, 0.1,
+                                                                              deterministic=False))
+            out.append(_to_launch("attention.bwd_dkdv_atomic_dq", case, calls[1],
+                                  flops=10 * b * h * causal_pairs * d))
     # attention variants, bf16 d 128: GQA 32 q heads on 8 kv heads (4K), packed documents (8 x 1K in 8K
     # tokens), a 1K sliding window, and split-KV decoding of 1 query against a 32K cache (batch 4)
     dtype, d = torch.bfloat16, 128
@@ -211,6 +216,12 @@ def representative_launches(quick: bool = False, arch: str = "sm_90") -> list[La
     pairs = 4096 * 4097 // 2
     calls = calls_of(lambda: fa.flash_attention_forward(q, kv, kv, True, 0.1))
     out.append(_to_launch("attention.gqa_fwd", "1x32(8kv)x4096x128 causal bf16", calls[0], flops=4 * 32 * pairs * d))
+    # the Hopper TMA forward (only a tuned table selects it): descriptor loads, UTMALDG in the sm_90 SASS
+    from .kernels import tuned
+
+    with tuned.override("attention_fwd", TMA=1):
+        calls = calls_of(lambda: fa.flash_attention_forward(q, kv, kv, True, 0.1))
+    out.append(_to_launch("attention.tma_fwd", "1x32(8kv)x4096x128 causal bf16", calls[0], flops=4 * 32 * pairs * d))
     calls = calls_of(lambda: fa.flash_attention_backward(q, q, kv, kv, q, lse, True, 0.1))
     out.append(_to_launch("attention.gqa_bwd_dkdv", "1x32(8kv)x4096x128 causal bf16", calls[1],
                           flops=8 * 32 * pairs * d))

@@ -45,7 +45,8 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    return self.down_proj(_kernels().swiglu_gate(self.gate_proj(x), self.up_proj(x)))
+    # the projections' outputs feed only the gate: its backward may overwrite them
+    return self.down_proj(_kernels().swiglu_gate(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
 
 
 def _rope_half_split(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -58,11 +59,8 @@ def _rope_half_split(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
     cos_table = cos_rows[..., : d // 2].reshape(-1, d // 2).contiguous()
     sin_table = sin.reshape(-1, seq, d)[..., : d // 2].reshape(-1, d // 2).contiguous()
     rows = torch.arange(table_batch * seq, device=q.device).view(table_batch, 1, seq)
-    rope = _kernels().apply_rope
-    kw = dict(cos=cos_table, sin=sin_table, check_positions=False, layout="half")
-    if q.shape == k.shape:
-        return rope(q, k, rows, **kw)
-    return rope(q, None, rows, **kw), rope(k, None, rows, **kw)
+    # one launch for q and k, also when k has fewer heads (GQA)
+    return _kernels().apply_rope(q, k, rows, cos=cos_table, sin=sin_table, check_positions=False, layout="half")
 
 
 def _rotary_dispatch(module_name: str):

@@ -1,0 +1,293 @@
+"""Launch variants and tuned tables: the GPU tile tables and the atomic-dQ backward run in the interpreter against
+fp64, the tuned-table loader falls back and refuses bad files, SwiGLU's in-place backward saves memory."""
+
+import importlib
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tritonlm.kernels import flash_attention, rms_norm, swiglu_gate, tuned
+
+from conftest import cpu_only, tolerance
+
+FA = importlib.import_module("tritonlm.kernels.flash_attention")  # the module (the package exports the function)
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+def _sdpa64(q, k, v, is_causal):
+    """fp64 reference via PyTorch's own SDPA (GQA by repeating k/v heads; bottom-right causal mask)."""
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    group = q.shape[-3] // k.shape[-3]
+    kk, vv = (t.repeat_interleave(group, dim=-3) for t in (k64, v64))
+    mask = None
+    if is_causal:
+        n_q, n_k = q.shape[-2], k.shape[-2]
+        mask = torch.ones(n_q, n_k, dtype=torch.bool).tril(diagonal=n_k - n_q)
+    return (q64, k64, v64), F.scaled_dot_product_attention(q64, kk, vv, attn_mask=mask)
+
+
+def _compare(q, k, v, is_causal, dtype, **kw):
+    out = flash_attention(q, k, v, is_causal, **kw)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    (q64, k64, v64), ref = _sdpa64(q, k, v, is_causal)
+    ref.backward(grad.double())
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        torch.testing.assert_close(got.double(), want, atol=2 * tol, rtol=2 * tol)
+
+
+def _qkv(batch, heads, kv_heads, n_q, n_k, d, dtype):
+    return (torch.randn(batch, heads, n_q, d).to(dtype).requires_grad_(),
+            torch.randn(batch, kv_heads, n_k, d).to(dtype).requires_grad_(),
+            torch.randn(batch, kv_heads, n_k, d).to(dtype).requires_grad_())
+
+
+# ----------------------------------------------------------------------------------------------------
+# the atomic-dQ backward (opt-in, non-deterministic)
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,n_q,n_k,is_causal", [(2, 2, 37, 37, True), (4, 2, 19, 50, True),
+                                                              (3, 1, 33, 21, False)])
+def test_atomic_dq_backward_vs_fp64(dtype, heads, kv_heads, n_q, n_k, is_causal):
+    _compare(*_qkv(2, heads, kv_heads, n_q, n_k, 16, dtype), is_causal, dtype, deterministic=False)
+
+
+def test_atomic_dq_backward_varlen_and_window():
+    from tritonlm.kernels import FlashAttention
+
+    lens = [5, 17, 0, 33]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    total = sum(lens)
+    q, k, v = (torch.randn(total, 4, 16, requires_grad=True) for _ in range(3))
+    grads = []
+    for deterministic in (True, False):
+        out = FlashAttention.apply(q, k, v, True, None, (7, 0), cu, cu, max(lens), max(lens), deterministic)
+        grads.append(torch.autograd.grad(out, (q, k, v), torch.cos(torch.arange(out.numel()).view(out.shape) * 1.0)))
+    for det, atomic in zip(*grads):  # the deterministic path is itself checked against fp64 elsewhere
+        torch.testing.assert_close(atomic, det, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the GPU launch tables, run in the interpreter at small shapes (CPU runs otherwise use 32x32 tiles)
+# ----------------------------------------------------------------------------------------------------
+@cpu_only
+@pytest.mark.parametrize("arch", [90, 80])
+@pytest.mark.parametrize("d,dtype", [(64, torch.bfloat16), (128, torch.float16), (32, torch.float32), (80, torch.bfloat16)])
+def test_gpu_attention_tables_in_interpreter(arch, d, dtype):
+    from tritonlm.kernels._common import assume_gpu_target
+
+    with assume_gpu_target(arch):
+        fwd, bwd = FA._fwd_config(d, dtype, torch.device("cpu")), FA._bwd_config(d, dtype, torch.device("cpu"))
+        assert fwd != FA.INTERPRETER_CONFIG and bwd != FA.INTERPRETER_CONFIG  # the GPU tables really apply
+        # several query and key tiles of the GPU sizes, a ragged last one, GQA
+        _compare(*_qkv(1, 2, 1, 150, 150, d, dtype), True, dtype)
+
+
+@cpu_only
+@pytest.mark.parametrize("n_cols", [768, 4096, 9000])
+def test_gpu_elementwise_tables_in_interpreter(n_cols):
+    """RMSNorm's launch rule at GPU widths (the row kept in registers, or chunked past 8192) and its dweight
+    reduction over many partial rows, against F.rms_norm in fp64."""
+    x = torch.randn(37, n_cols, dtype=torch.float64).float().requires_grad_()
+    w = (1 + torch.randn(n_cols) / 4).requires_grad_()
+    y = rms_norm(x, w, 1e-5)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = F.rms_norm(x64, (n_cols,), w64, 1e-5)
+    ref.backward(grad.double())
+    torch.testing.assert_close(y.double(), ref, **tolerance(torch.float32))
+    torch.testing.assert_close(x.grad.double(), x64.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(w.grad.double(), w64.grad, atol=1e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------------
+# tuned tables: lookup, fallback, refusal of bad files, overrides
+# ----------------------------------------------------------------------------------------------------
+@pytest.fixture
+def tuned_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(tuned, "TUNED_DIR", tmp_path)
+    monkeypatch.setattr(tuned, "_device_name", lambda device: "NVIDIA Test GPU 9000")
+    tuned.load.cache_clear()
+    yield tmp_path
+    tuned.load.cache_clear()
+
+
+SHIPPED = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+CUDA = torch.device("cuda")  # a device object only: choose() reads its type, the name comes from the stub
+
+
+def _write(directory, table):
+    (directory / "nvidia-test-gpu-9000.json").write_text(json.dumps(table), encoding="utf-8")
+
+
+def test_tuned_table_used_for_its_gpu_and_shape(tuned_dir):
+    assert tuned.gpu_slug("NVIDIA H200") == "nvidia-h200"
+    assert tuned.choose("attention_fwd", "bf16-d128", CUDA, SHIPPED) == SHIPPED  # no file: shipped
+    _write(tuned_dir, {"version": 1, "kernels": {"attention_fwd": {"bf16-d128": {"BLOCK_N": 128, "num_stages": 4}}}})
+    tuned.load.cache_clear()
+    assert tuned.choose("attention_fwd", "bf16-d128", CUDA, SHIPPED) == dict(SHIPPED, BLOCK_N=128, num_stages=4)
+    assert tuned.choose("attention_fwd", "bf16-d64", CUDA, SHIPPED) == SHIPPED  # shape not swept: shipped
+    assert tuned.choose("attention_fwd", "bf16-d128", torch.device("cpu"), SHIPPED) == SHIPPED  # not a GPU
+
+
+@pytest.mark.parametrize("content,message", [
+    ("{not json", "not readable JSON"),
+    ({"version": 2, "kernels": {}}, "version"),
+    ({"version": 1, "kernels": {"matmul": {}}}, "unknown kernel 'matmul'"),
+    ({"version": 1, "kernels": {"attention_fwd": {"bf16-d128": {"BLOCK_K": 64}}}}, "unknown field 'BLOCK_K'"),
+    ({"version": 1, "kernels": {"attention_fwd": {"bf16-d128": {"BLOCK_N": 96}}}}, "power of two"),
+    ({"version": 1, "kernels": {"rms_norm": {"bf16-n4096": {"num_warps": 64}}}}, r"\[1, 16\]"),
+    ({"version": 1, "kernels": {"swiglu": {"bf16": {"BLOCK": "1024"}}}}, "must be an int"),
+    ({"version": 1, "kernels": {"attention_fwd": {"bf16-d128": {"TMA": 2}}}}, r"TMA = 2"),
+    ({"version": 1, "kernels": {"attention_bwd": {"bf16-d128": {"TMA": 1}}}}, "unknown field 'TMA'"),
+])
+def test_malformed_tuned_table_is_an_error(tuned_dir, content, message):
+    path = tuned_dir / "nvidia-test-gpu-9000.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content), encoding="utf-8")
+    with pytest.raises(tuned.TunedTableError, match=message) as info:
+        tuned.choose("attention_fwd", "bf16-d128", CUDA, SHIPPED)
+    assert str(path) in str(info.value)
+
+
+@cpu_only
+def test_override_reaches_the_launchers_and_stays_correct():
+    """What the sweep does: force a configuration; the kernels still agree with fp64 under it."""
+    device = torch.device("cpu")
+    with tuned.override("attention_fwd", BLOCK_M=64, BLOCK_N=16), tuned.override("attention_bwd", BLOCK_M=16,
+                                                                                   BLOCK_N=64):
+        assert FA._fwd_config(16, torch.float32, device)[:2] == (64, 16)
+        assert FA._bwd_config(16, torch.float32, device)[:2] == (16, 64)
+        _compare(*_qkv(1, 2, 2, 70, 70, 16, torch.float32), True, torch.float32)
+    assert FA._fwd_config(16, torch.float32, device) == FA.INTERPRETER_CONFIG
+    with pytest.raises(tuned.TunedTableError, match="BLOCK_S"):
+        with tuned.override("attention_fwd", BLOCK_S=4):
+            pass
+    with tuned.override("swiglu", BLOCK=256, num_warps=2):
+        a, b = torch.randn(3, 333), torch.randn(3, 333)
+        torch.testing.assert_close(swiglu_gate(a, b), F.silu(a) * b, atol=1e-6, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------
+# SwiGLU's in-place backward
+# ----------------------------------------------------------------------------------------------------
+def test_swiglu_inplace_backward_saves_memory_and_matches():
+    from tritonlm.memory import peak_live_bytes
+    from tritonlm.modules import fused
+
+    def run(inplace: bool):
+        torch.manual_seed(0)
+        x = torch.randn(64, 32, requires_grad=True)
+        w1, w3 = torch.randn(256, 32, requires_grad=True), torch.randn(256, 32, requires_grad=True)
+
+        def step():
+            h = swiglu_gate(x @ w1.t(), x @ w3.t(), inplace_backward=inplace)
+            h.sum().backward()
+
+        peak = peak_live_bytes(step)[1]
+        return peak, x.grad.clone(), w1.grad.clone()
+
+    peak_copy, gx, gw = run(False)
+    peak_inplace, gx_in, gw_in = run(True)
+    torch.testing.assert_close(gx_in, gx)
+    torch.testing.assert_close(gw_in, gw)
+    # da and db (two [64, 256] fp32 tensors) are no longer allocated beside a and b
+    assert peak_inplace <= peak_copy - 64 * 256 * 4
+    # the fused FFN uses it; a second backward through the same graph is refused, not silently wrong
+    ffn = fused.SwiGLU(32, 64)
+    out = ffn(torch.randn(5, 32)).sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        out.backward()
+
+
+# ----------------------------------------------------------------------------------------------------
+# RoPE: several heads per program share one cos/sin load; q and GQA k in one launch
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("heads_per_program", [None, 1, 2, 8])
+@pytest.mark.parametrize("layout", ["interleaved", "half"])
+def test_rope_heads_per_program_and_gqa_in_one_launch(heads_per_program, layout):
+    """Against an fp64 rotation built here from the same tables, forward and backward; q has 6 heads, k 2
+    (a ragged last head group for HEADS = 4 or 8), odd sequence length, per-batch positions."""
+    import contextlib
+
+    from tritonlm.kernels import apply_rope, rope_tables
+
+    cos, sin = rope_tables(10000.0, 16, 64)
+    q = torch.randn(2, 6, 37, 16, requires_grad=True)
+    k = torch.randn(2, 2, 37, 16, requires_grad=True)
+    pos = torch.randint(0, 64, (2, 1, 37))
+
+    def rotate64(x):
+        c, s = cos[pos].double(), sin[pos].double()  # [2, 1, 37, 8]
+        x = x.double()
+        if layout == "half":
+            a, b = x[..., :8], x[..., 8:]
+            return torch.cat((a * c - b * s, b * c + a * s), dim=-1)
+        a, b = x[..., 0::2], x[..., 1::2]
+        return torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
+
+    force = tuned.override("rope", HEADS=heads_per_program) if heads_per_program else contextlib.nullcontext()
+    with force:
+        q_out, k_out = apply_rope(q, k, pos, cos=cos, sin=sin, layout=layout)
+        (2 * q_out.sum() + (k_out * k_out).sum()).backward()
+    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    (2 * rotate64(q64).sum() + (rotate64(k64) ** 2).sum()).backward()
+    torch.testing.assert_close(q_out.double(), rotate64(q64).detach(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(k_out.double(), rotate64(k64).detach(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(q.grad.double(), q64.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k.grad.double(), k64.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_per_head_positions_take_one_head_per_program():
+    from tritonlm.kernels import apply_rope, rope_tables
+
+    cos, sin = rope_tables(10000.0, 16, 64)
+    q = torch.randn(1, 3, 9, 16)
+    pos = torch.randint(0, 64, (1, 3, 9))  # a different position per head
+    with tuned.override("rope", HEADS=8):
+        out = apply_rope(q, None, pos, cos=cos, sin=sin)
+    for h in range(3):
+        torch.testing.assert_close(out[:, h], apply_rope(q[:, h], None, pos[:, h], cos=cos, sin=sin))
+    with pytest.raises(ValueError, match="fewer heads"):
+        apply_rope(q, torch.randn(1, 1, 9, 16), pos, cos=cos, sin=sin)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the Hopper TMA forward (descriptor loads), chosen only through a tuned table / the sweep
+# ----------------------------------------------------------------------------------------------------
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,n_q,n_k,d,is_causal", [(2, 2, 70, 70, 16, True), (4, 2, 37, 53, 32, True),
+                                                                (2, 1, 5, 40, 24, True), (3, 3, 33, 20, 16, False)])
+def test_tma_forward_vs_fp64(dtype, heads, kv_heads, n_q, n_k, d, is_causal):
+    """Descriptor loads zero-fill rows and columns past the tensor (odd lengths, d 24 in a 32-wide box); the
+    backward is the usual one, so gradients check the saved logsumexp too."""
+    q, k, v = _qkv(2, heads, kv_heads, n_q, n_k, d, dtype)
+    with tuned.override("attention_fwd", TMA=1):
+        assert FA._tma_selected(d, dtype, q.device)
+        _compare(q, k, v, is_causal, dtype)
+    assert not FA._tma_selected(d, dtype, q.device)  # never without a table entry
+
+
+# ----------------------------------------------------------------------------------------------------
+# the GPU suite's sweep, smoke-run on CPU: every path, and a table the launchers accept
+# ----------------------------------------------------------------------------------------------------
+@cpu_only
+def test_sweep_smoke_writes_a_valid_table(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    sweep = importlib.import_module("sweep")
+    result = sweep.run_sweep(torch.device("cpu"), tmp_path, smoke=True)
+    rows = [r for r in result["rows"] if "error" not in r]
+    assert {r["kernel"] for r in rows} == set(tuned.FIELDS)  # every tunable kernel was timed
+    assert any(r["key"].endswith("atomic-dQ") for r in rows)  # the variant is reported ...
+    assert any('"TMA":1' in r["config"] for r in rows)  # ... and so is the TMA forward
+    table = json.loads(Path(result["table"]).read_text())
+    entries = tuned.validate(table, result["table"])  # what the launchers would read
+    assert all(" " not in key for per_kernel in entries.values() for key in per_kernel)  # variants never written
