@@ -68,7 +68,7 @@ def _cases(device, smoke: bool) -> list[tuple]:
         # the Hopper TMA variant competes with the shipped tiles on sm_90+ (and in the smoke run's interpreter)
         hopper = smoke or torch.cuda.get_device_capability(device)[0] >= 9
         cases.append(("attention_fwd", key, fwd_step, ([dict(TMA=1)] if hopper else []) + ATTENTION_FWD))
-        cases.append(("attention_bwd", key, bwd_step, ATTENTION_BWD))
+        cases.append(("attention_bwd", key, bwd_step, ([dict(TMA=1)] if hopper else []) + ATTENTION_BWD))
         cases.append(("attention_bwd", key + " atomic-dQ", lambda f=bwd_step: f(deterministic=False), []))
 
     # RMSNorm forward + backward over 16K rows (smoke: 64)

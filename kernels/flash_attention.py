@@ -27,8 +27,9 @@ keys) so the tail of the grid is short tiles. A tuned table measured on a GPU (`
 them per GPU, dtype and head dim.
 
 Variants, chosen explicitly: ``deterministic=False`` adds dQ with fp32 atomics inside the dK/dV kernel (no dQ
-kernel: 5 matmuls per tile pair instead of 7); ``_fwd_kernel_tma``, the dense forward with Hopper TMA descriptor
-loads, runs only when a tuned table (or the suite's sweep) asks for it (``"TMA": 1``).
+kernel: 5 matmuls per tile pair instead of 7); ``_fwd_kernel_tma`` and ``_bwd_*_kernel_tma``, the dense forward and
+backward with Hopper TMA descriptor loads, run only when a tuned table (or the suite's sweep) asks for them
+(``"TMA": 1``).
 """
 
 from __future__ import annotations
@@ -165,7 +166,8 @@ def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, o
         keys = start_n + offs_n
         k, v = _load_kv(k_ptrs + keys[:, None].to(tl.int64) * stride_kn, v_ptrs + keys[:, None].to(tl.int64) * stride_vn,
                         keys, n_k, d_mask, MASKED, EVEN_D)
-        # ---- scores in log2 units
+        # ---- scores in log2 units (the scale multiplies the fp32 scores: folding it into Q once measured worse in
+        # the SASS report, sm_90 d 128: 197 -> 235 registers, as Q then feeds the wgmma from registers)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if MASKED:
             s = tl.where(_visible(offs_m, keys, n_k, shift, win_left, win_right, CAUSAL, WINDOW), s, float("-inf"))
@@ -209,6 +211,8 @@ def _fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < d_head
+    if EVEN_D:  # the head dim fills the tile: an all-true constant, so every mask below is rows only
+        d_mask = tl.full([BLOCK_D], 1, tl.int1)
     row_valid = (offs_m >= 0) & (offs_m < n_q)
     q_mask = row_valid[:, None] & d_mask[None, :]
     rows = (q_start + offs_m).to(tl.int64)
@@ -262,6 +266,29 @@ def _fwd_kernel(
 
 
 @triton.jit
+def _desc(T, n_batch, n_heads, n_rows, d_head, stride_b, stride_h, stride_r, ROWS: tl.constexpr,
+          BLOCK_D: tl.constexpr):
+    """A TMA descriptor over a ``[batch, heads, rows, d]`` tensor (strides in elements, unit last stride) whose box is
+    one ``[ROWS, BLOCK_D]`` tile of one (batch, head); boxes past the tensor's edges read as zeros, stores clip."""
+    return tl.make_tensor_descriptor(T, [n_batch, n_heads, n_rows, d_head], [stride_b, stride_h, stride_r, 1],
+                                     [1, 1, ROWS, BLOCK_D])
+
+
+@triton.jit
+def _box(desc, b, h, row, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The ``[ROWS, BLOCK_D]`` tile of (batch ``b``, head ``h``) starting at ``row``."""
+    return tl.reshape(desc.load([b, h, row, 0]), (ROWS, BLOCK_D))
+
+
+@triton.jit
+def _dense_query_program(n_heads, group, n_q, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``(b, h, h_kv, start_m)`` of a program over (query tile, batch x head) of a dense batch."""
+    pid_bh = tl.program_id(1)
+    h = pid_bh % n_heads
+    return pid_bh // n_heads, h, h // group, _query_tile_start(tl.program_id(0), n_q, CAUSAL, BLOCK_M)
+
+
+@triton.jit
 def _fwd_kernel_tma(
     Q, K, V, O, LSE,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
@@ -272,21 +299,13 @@ def _fwd_kernel_tma(
     """The dense forward (no window, no packing) with Hopper tensor-memory-accelerator loads: each tile is one
     ``[1, 1, rows, BLOCK_D]`` box of a 4-D ``[batch, heads, seq, d]`` descriptor. The TMA unit zero-fills rows
     and columns outside the tensor, so no load needs a mask; only the causal diagonal masks scores."""
-    pid_bh = tl.program_id(1)
-    b = pid_bh // n_heads
-    h = pid_bh % n_heads
-    h_kv = h // group
-    start_m = _query_tile_start(tl.program_id(0), n_q, CAUSAL, BLOCK_M)
+    b, h, h_kv, start_m = _dense_query_program(n_heads, group, n_q, CAUSAL, BLOCK_M)
     # ---- descriptors over the whole tensors (shape, strides in elements, box shape)
-    q_desc = tl.make_tensor_descriptor(Q, [n_batch, n_heads, n_q, d_head], [stride_qb, stride_qh, stride_qm, 1],
-                                       [1, 1, BLOCK_M, BLOCK_D])
-    k_desc = tl.make_tensor_descriptor(K, [n_batch, n_kv_heads, n_k, d_head], [stride_kb, stride_kh, stride_kn, 1],
-                                       [1, 1, BLOCK_N, BLOCK_D])
-    v_desc = tl.make_tensor_descriptor(V, [n_batch, n_kv_heads, n_k, d_head], [stride_vb, stride_vh, stride_vn, 1],
-                                       [1, 1, BLOCK_N, BLOCK_D])
-    o_desc = tl.make_tensor_descriptor(O, [n_batch, n_heads, n_q, d_head], [stride_ob, stride_oh, stride_om, 1],
-                                       [1, 1, BLOCK_M, BLOCK_D])
-    q = tl.reshape(q_desc.load([b, h, start_m, 0]), (BLOCK_M, BLOCK_D))
+    q_desc = _desc(Q, n_batch, n_heads, n_q, d_head, stride_qb, stride_qh, stride_qm, BLOCK_M, BLOCK_D)
+    k_desc = _desc(K, n_batch, n_kv_heads, n_k, d_head, stride_kb, stride_kh, stride_kn, BLOCK_N, BLOCK_D)
+    v_desc = _desc(V, n_batch, n_kv_heads, n_k, d_head, stride_vb, stride_vh, stride_vn, BLOCK_N, BLOCK_D)
+    o_desc = _desc(O, n_batch, n_heads, n_q, d_head, stride_ob, stride_oh, stride_om, BLOCK_M, BLOCK_D)
+    q = _box(q_desc, b, h, start_m, BLOCK_M, BLOCK_D)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -298,8 +317,8 @@ def _fwd_kernel_tma(
                                                    BLOCK_M, BLOCK_N)
     # ---- key tiles: the unmasked middle, then the masked diagonal / ragged tail (no left bound: no masked head)
     for start_n in range(full_lo, key_hi, BLOCK_N):
-        k = tl.reshape(k_desc.load([b, h_kv, start_n, 0]), (BLOCK_N, BLOCK_D))
-        v = tl.reshape(v_desc.load([b, h_kv, start_n, 0]), (BLOCK_N, BLOCK_D))
+        k = _box(k_desc, b, h_kv, start_n, BLOCK_N, BLOCK_D)
+        v = _box(v_desc, b, h_kv, start_n, BLOCK_N, BLOCK_D)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if start_n >= full_hi:
             keys = start_n + offs_n
@@ -431,7 +450,7 @@ def _bwd_dkdv_kernel(
     stride_dqb, stride_dqh, stride_dqm,
     n_kv_heads, group, bh_start, n_q, n_k, d_head, qk_scale, sm_scale, win_left, win_right,
     GQA: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     # ATOMIC_DQ: DQ is an fp32 [b, h, n_q, d] buffer that every key tile adds its dS K share into
     # grid axis 1 walks (batch, kv head) pairs; the group's query heads are summed in a fixed order below
@@ -441,6 +460,8 @@ def _bwd_dkdv_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < d_head
+    if EVEN_D:  # the head dim fills the tile: an all-true constant, so every mask below is rows only
+        d_mask = tl.full([BLOCK_D], 1, tl.int1)
     kv_mask = (offs_n[:, None] < n_k) & d_mask[None, :]
     rows_n = (k_start + offs_n)[:, None].to(tl.int64)
 
@@ -541,6 +562,8 @@ def _bwd_dq_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < d_head
+    if EVEN_D:  # the head dim fills the tile: an all-true constant, so every mask below is rows only
+        d_mask = tl.full([BLOCK_D], 1, tl.int1)
     row_valid = (offs_m >= 0) & (offs_m < n_q)
     q_mask = row_valid[:, None] & d_mask[None, :]
     rows_m = (q_start + offs_m)[:, None].to(tl.int64)
@@ -572,6 +595,99 @@ def _bwd_dq_kernel(
     dq = dq * sm_scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + rows_m * stride_dqm + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _bwd_dkdv_kernel_tma(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lb, stride_lh,
+    n_batch, n_heads, n_kv_heads, group, n_q, n_k, d_head, qk_scale, sm_scale,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """The dense dK/dV kernel with Hopper TMA descriptor loads (see :func:`_bwd_dkdv_kernel` for the math): one key
+    tile per program, its group's query heads and tiles in one flattened loop. Rows past a tensor's end load as
+    zeros (their L is +inf, so they add nothing) and stores clip them; only the causal diagonal masks P."""
+    pid_bh = tl.program_id(1)
+    b = pid_bh // n_kv_heads
+    h_kv = pid_bh % n_kv_heads
+    start_n = tl.program_id(0) * BLOCK_N
+    q_desc = _desc(Q, n_batch, n_heads, n_q, d_head, stride_qb, stride_qh, stride_qm, BLOCK_M, BLOCK_D)
+    do_desc = _desc(DO, n_batch, n_heads, n_q, d_head, stride_dob, stride_doh, stride_dom, BLOCK_M, BLOCK_D)
+    k_desc = _desc(K, n_batch, n_kv_heads, n_k, d_head, stride_kb, stride_kh, stride_kn, BLOCK_N, BLOCK_D)
+    v_desc = _desc(V, n_batch, n_kv_heads, n_k, d_head, stride_vb, stride_vh, stride_vn, BLOCK_N, BLOCK_D)
+    dk_desc = _desc(DK, n_batch, n_kv_heads, n_k, d_head, stride_dkb, stride_dkh, stride_dkn, BLOCK_N, BLOCK_D)
+    dv_desc = _desc(DV, n_batch, n_kv_heads, n_k, d_head, stride_dvb, stride_dvh, stride_dvn, BLOCK_N, BLOCK_D)
+    k = _box(k_desc, b, h_kv, start_n, BLOCK_N, BLOCK_D)
+    v = _box(v_desc, b, h_kv, start_n, BLOCK_N, BLOCK_D)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    shift = n_k - n_q
+    unbounded = 1 << 30
+    q_lo, full_lo, full_hi, q_hi = _query_ranges(start_n, n_q, n_k, unbounded, 0 if CAUSAL else unbounded,
+                                                 BLOCK_M, BLOCK_N)
+    tiles = tl.cdiv(q_hi - q_lo, BLOCK_M)
+    for it in range(0, group * tiles):
+        h = h_kv * group + it // tiles
+        start_m = q_lo + (it % tiles) * BLOCK_M
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        # ---- load a query tile, its dO, L and D
+        q = _box(q_desc, b, h, start_m, BLOCK_M, BLOCK_D)
+        do = _box(do_desc, b, h, start_m, BLOCK_M, BLOCK_D)
+        row = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh
+        lse = _load_lse_log2(LSE + row, offs_m, n_q)
+        delta = tl.load(DELTA + row + offs_m, mask=offs_m < n_q, other=0.0)
+        # ---- Pᵀ, then dV += Pᵀ dO ; dPᵀ = V dOᵀ ; dSᵀ = Pᵀ (dPᵀ - D) ; dK += dSᵀ Q
+        p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
+        if start_m < full_lo:  # the causal diagonal (non-causal: never)
+            p_t = tl.where(tl.trans(_visible(offs_m, offs_n, n_k, shift, 0, 0, CAUSAL, False)), p_t, 0.0)
+        dv += tl.dot(p_t.to(do.dtype), do)
+        ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q)
+    dk_desc.store([b, h_kv, start_n, 0], tl.reshape((dk * sm_scale).to(DK.dtype.element_ty), (1, 1, BLOCK_N, BLOCK_D)))
+    dv_desc.store([b, h_kv, start_n, 0], tl.reshape(dv.to(DV.dtype.element_ty), (1, 1, BLOCK_N, BLOCK_D)))
+
+
+@triton.jit
+def _bwd_dq_kernel_tma(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+    stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh,
+    n_batch, n_heads, n_kv_heads, group, n_q, n_k, d_head, qk_scale, sm_scale,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """The dense dQ kernel with TMA descriptor loads (see :func:`_bwd_dq_kernel`): key tiles past the tensor load
+    as zeros and add nothing to dQ; the causal diagonal and the ragged last key tile are masked."""
+    b, h, h_kv, start_m = _dense_query_program(n_heads, group, n_q, CAUSAL, BLOCK_M)
+    q_desc = _desc(Q, n_batch, n_heads, n_q, d_head, stride_qb, stride_qh, stride_qm, BLOCK_M, BLOCK_D)
+    do_desc = _desc(DO, n_batch, n_heads, n_q, d_head, stride_dob, stride_doh, stride_dom, BLOCK_M, BLOCK_D)
+    dq_desc = _desc(DQ, n_batch, n_heads, n_q, d_head, stride_dqb, stride_dqh, stride_dqm, BLOCK_M, BLOCK_D)
+    k_desc = _desc(K, n_batch, n_kv_heads, n_k, d_head, stride_kb, stride_kh, stride_kn, BLOCK_N, BLOCK_D)
+    v_desc = _desc(V, n_batch, n_kv_heads, n_k, d_head, stride_vb, stride_vh, stride_vn, BLOCK_N, BLOCK_D)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q = _box(q_desc, b, h, start_m, BLOCK_M, BLOCK_D)
+    do = _box(do_desc, b, h, start_m, BLOCK_M, BLOCK_D)
+    row = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh
+    lse = _load_lse_log2(LSE + row, offs_m, n_q)
+    delta = tl.load(DELTA + row + offs_m, mask=(offs_m >= 0) & (offs_m < n_q), other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    shift = n_k - n_q
+    unbounded = 1 << 30
+    key_lo, full_lo, full_hi, key_hi = _key_ranges(start_m, n_q, n_k, unbounded, 0 if CAUSAL else unbounded,
+                                                   BLOCK_M, BLOCK_N)
+    for start_n in range(full_lo, key_hi, BLOCK_N):  # (no left bound: nothing before full_lo)
+        k = _box(k_desc, b, h_kv, start_n, BLOCK_N, BLOCK_D)
+        v = _box(v_desc, b, h_kv, start_n, BLOCK_N, BLOCK_D)
+        p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+        if start_n >= full_hi:
+            keys = start_n + tl.arange(0, BLOCK_N)
+            p = tl.where(_visible(offs_m, keys, n_k, shift, 0, 0, CAUSAL, False), p, 0.0)
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    dq_desc.store([b, h, start_m, 0], tl.reshape((dq * sm_scale).to(DQ.dtype.element_ty), (1, 1, BLOCK_M, BLOCK_D)))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -611,10 +727,10 @@ def _tuned(kernel: str, d: int, dtype: torch.dtype, device: torch.device, shippe
     return tuple(cfg[f] for f in _CONFIG_FIELDS)
 
 
-def _tma_selected(d: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a tuned table (or the sweep) asks for the TMA forward here; never by default. Hopper (sm_90+) or
-    the interpreter (which emulates descriptors) only."""
-    chosen = tuned.choose("attention_fwd", f"{tuned.dtype_name(dtype)}-d{_block_d(d)}", device, {"TMA": 0})["TMA"]
+def _tma_selected(d: int, dtype: torch.dtype, device: torch.device, kernel: str = "attention_fwd") -> bool:
+    """Whether a tuned table (or the sweep) asks for the TMA variant of ``kernel`` here; never by default. Hopper
+    (sm_90+) or the interpreter (which emulates descriptors) only."""
+    chosen = tuned.choose(kernel, f"{tuned.dtype_name(dtype)}-d{_block_d(d)}", device, {"TMA": 0})["TMA"]
     # cuda: the device's capability; meta (the SASS report): the assumed target; cpu: the interpreter
     hopper = device.type == "cpu" or gpu_capability(device) >= 90
     return bool(chosen) and hopper
@@ -828,11 +944,24 @@ def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale
         _bwd_preprocess[(triton.cdiv(n_q, pre_m), n_bh)](
             o4, do4, delta, cu_q, cu_k, *_strides3(o4, packed), *do_s, *lse_strides, h, bh_start, n_q, d,
             VARLEN=packed, BLOCK_M=pre_m, BLOCK_D=block_d)
-    # dK/dV: one program per (key tile, batch, kv head), summing its group of query heads (needs every D above)
+    if (deterministic and not packed and not tiles["WINDOW"] and _tma_selected(d, q.dtype, q.device, "attention_bwd")
+            and b * max(h, h_kv) <= MAX_GRID_AXIS1 and _tma_ready(q4, k4, v4, do4, dq4, dk4, dv4)):
+        # ---- Hopper TMA variant (chosen only by a tuned table / the sweep): descriptor loads, same math
+        _set_tma_allocator(q.device)
+        shapes = (b, h, h_kv, group, n_q, n_k, d, qk_scale, softmax_scale)
+        opts = dict(CAUSAL=is_causal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps,
+                    num_stages=stages, **_dot_precision(q.dtype))
+        _bwd_dkdv_kernel_tma[(triton.cdiv(n_k, block_n), b * h_kv)](
+            q4, k4, v4, do4, lse, delta, dk4, dv4, *q_s, *k_s, *v_s, *do_s, *_strides3(dk4), *_strides3(dv4),
+            *lse_strides, *shapes, **opts)
+        _bwd_dq_kernel_tma[(triton.cdiv(n_q, block_m), b * h)](
+            q4, k4, v4, do4, lse, delta, dq4, *q_s, *k_s, *v_s, *do_s, *_strides3(dq4), *lse_strides, *shapes, **opts)
+        return dq, dk, dv
     if not deterministic and block_d >= 128 and on_gpu(q.device):
         # the atomic variant holds a dQ tile besides dK/dV: 64-query tiles spill at d 128 (80 B on sm_90)
         block_m = min(block_m, 32)
         tiles["BLOCK_M"] = block_m
+    # dK/dV: one program per (key tile, batch, kv head), summing its group of query heads (needs every D above);
     # non-deterministic variant: an fp32 dQ buffer laid out [b, h, rows, d] like q4 that the dK/dV kernel adds into
     dq_acc = torch.zeros(q4.shape, dtype=torch.float32, device=q.device) if not deterministic else dq4
     for bh_start, n_bh in grid_axis1_launches(b * h_kv):
@@ -840,7 +969,7 @@ def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale
             q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc, cu_q, cu_k, *q_s, *k_s, *v_s, *do_s,
             *_strides3(dk4, packed), *_strides3(dv4, packed), *lse_strides, *_strides3(dq_acc, packed),
             h_kv, group, bh_start, n_q, n_k, d, qk_scale, softmax_scale, win_left, win_right, GQA=group > 1,
-            ATOMIC_DQ=not deterministic, **tiles)
+            ATOMIC_DQ=not deterministic, EVEN_D=d == block_d, **tiles)
     if not deterministic:
         dq4.copy_(dq_acc.mul_(softmax_scale))
         return dq, dk, dv

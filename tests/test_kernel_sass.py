@@ -36,7 +36,8 @@ def test_every_kernel_is_covered(rows):
     assert kernels == {"rmsnorm.fwd", "rmsnorm.bwd", "rmsnorm.dw_reduce", "add_rmsnorm.fwd", "add_rmsnorm.bwd",
                        "swiglu.fwd", "swiglu.bwd", "rope.fwd", "cross_entropy.fwd+grad",
                        "attention.fwd", "attention.bwd_preprocess", "attention.bwd_dkdv", "attention.bwd_dq",
-                       "attention.bwd_dkdv_atomic_dq", "attention.tma_fwd",
+                       "attention.bwd_dkdv_atomic_dq", "attention.tma_fwd", "attention.tma_bwd_dkdv",
+                       "attention.tma_bwd_dq",
                        "attention.gqa_fwd", "attention.gqa_bwd_dkdv", "attention.varlen_fwd", "attention.window_fwd",
                        "attention.decode_split", "attention.decode_combine"}
     assert {r["arch"] for r in rows} == {"sm_90", "sm_80"}

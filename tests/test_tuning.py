@@ -144,7 +144,7 @@ def test_tuned_table_used_for_its_gpu_and_shape(tuned_dir):
     ({"version": 1, "kernels": {"rms_norm": {"bf16-n4096": {"num_warps": 64}}}}, r"\[1, 16\]"),
     ({"version": 1, "kernels": {"swiglu": {"bf16": {"BLOCK": "1024"}}}}, "must be an int"),
     ({"version": 1, "kernels": {"attention_fwd": {"bf16-d128": {"TMA": 2}}}}, r"TMA = 2"),
-    ({"version": 1, "kernels": {"attention_bwd": {"bf16-d128": {"TMA": 1}}}}, "unknown field 'TMA'"),
+    ({"version": 1, "kernels": {"rope": {"bf16-d128": {"TMA": 1}}}}, "unknown field 'TMA'"),
 ])
 def test_malformed_tuned_table_is_an_error(tuned_dir, content, message):
     path = tuned_dir / "nvidia-test-gpu-9000.json"
@@ -264,12 +264,12 @@ def test_rope_per_head_positions_take_one_head_per_program():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,n_q,n_k,d,is_causal", [(2, 2, 70, 70, 16, True), (4, 2, 37, 53, 32, True),
                                                                 (2, 1, 5, 40, 24, True), (3, 3, 33, 20, 16, False)])
-def test_tma_forward_vs_fp64(dtype, heads, kv_heads, n_q, n_k, d, is_causal):
-    """Descriptor loads zero-fill rows and columns past the tensor (odd lengths, d 24 in a 32-wide box); the
-    backward is the usual one, so gradients check the saved logsumexp too."""
+def test_tma_attention_vs_fp64(dtype, heads, kv_heads, n_q, n_k, d, is_causal):
+    """The TMA forward and backward: descriptor loads zero-fill rows and columns past the tensor (odd lengths,
+    d 24 in a 32-wide box, GQA, more keys than queries and fewer)."""
     q, k, v = _qkv(2, heads, kv_heads, n_q, n_k, d, dtype)
-    with tuned.override("attention_fwd", TMA=1):
-        assert FA._tma_selected(d, dtype, q.device)
+    with tuned.override("attention_fwd", TMA=1), tuned.override("attention_bwd", TMA=1):
+        assert FA._tma_selected(d, dtype, q.device) and FA._tma_selected(d, dtype, q.device, "attention_bwd")
         _compare(q, k, v, is_causal, dtype)
     assert not FA._tma_selected(d, dtype, q.device)  # never without a table entry
 

@@ -222,6 +222,11 @@ def representative_launches(quick: bool = False, arch: str = "sm_90") -> list[La
     with tuned.override("attention_fwd", TMA=1):
         calls = calls_of(lambda: fa.flash_attention_forward(q, kv, kv, True, 0.1))
     out.append(_to_launch("attention.tma_fwd", "1x32(8kv)x4096x128 causal bf16", calls[0], flops=4 * 32 * pairs * d))
+    with tuned.override("attention_bwd", TMA=1):
+        calls = calls_of(lambda: fa.flash_attention_backward(q, q, kv, kv, q, lse, True, 0.1))
+    out.append(_to_launch("attention.tma_bwd_dkdv", "1x32(8kv)x4096x128 causal bf16", calls[1],
+                          flops=8 * 32 * pairs * d))
+    out.append(_to_launch("attention.tma_bwd_dq", "1x32(8kv)x4096x128 causal bf16", calls[2], flops=6 * 32 * pairs * d))
     calls = calls_of(lambda: fa.flash_attention_backward(q, q, kv, kv, q, lse, True, 0.1))
     out.append(_to_launch("attention.gqa_bwd_dkdv", "1x32(8kv)x4096x128 causal bf16", calls[1],
                           flops=8 * 32 * pairs * d))

@@ -36,7 +36,7 @@ TUNED_DIR = Path(__file__).parent
 #: Tunable fields per kernel (every field of an entry must be one of these).
 FIELDS = {
     "attention_fwd": ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA"),
-    "attention_bwd": ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
+    "attention_bwd": ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA"),
     "rms_norm": ("BLOCK_M", "num_warps"),
     "rope": ("BLOCK_S", "HEADS", "num_warps"),
     "swiglu": ("BLOCK", "num_warps"),
