@@ -36,8 +36,8 @@ ATTENTION_BWD = [dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3), dict(B
                  dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=3)]
 RMS_NORM = [dict(BLOCK_M=1, num_warps=4), dict(BLOCK_M=1, num_warps=8), dict(BLOCK_M=2, num_warps=8),
             dict(BLOCK_M=4, num_warps=8), dict(BLOCK_M=4, num_warps=16)]
-ROPE = [dict(HEADS=1), dict(HEADS=4), dict(HEADS=8), dict(BLOCK_S=16, HEADS=8, num_warps=4),
-        dict(BLOCK_S=64, HEADS=2, num_warps=8)]
+ROPE = [dict(HEADS=1), dict(HEADS=4), dict(HEADS=8), dict(HEADS=32),  # 32: every q head of a 32-head layer
+        dict(BLOCK_S=16, HEADS=8, num_warps=4), dict(BLOCK_S=64, HEADS=2, num_warps=8)]
 SWIGLU = [dict(BLOCK=2048, num_warps=4), dict(BLOCK=2048, num_warps=8), dict(BLOCK=4096, num_warps=8),
           dict(BLOCK=512, num_warps=4)]
 

@@ -49,12 +49,12 @@ def _rope_kernel(
     stride_qob, stride_qoh, stride_qos, stride_kob, stride_koh, stride_kos,
     stride_pb, stride_ph, stride_ps,
     n_heads, n_heads_k, bh_start, seq_len, d_head,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HEADS: tl.constexpr, INVERSE: tl.constexpr,
-    HALF_SPLIT: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HEADS: tl.constexpr, HAS_K: tl.constexpr,
+    INVERSE: tl.constexpr, HALF_SPLIT: tl.constexpr,
 ):
-    # grid: (seq blocks, batch x head groups from bh_start, 1 for q only / 2 for q and k). A program rotates
-    # HEADS consecutive heads of q (or of k, which may have fewer: GQA) at one block of positions, so the
-    # positions and their cos/sin are loaded once for all of them (HEADS > 1 needs positions shared by heads).
+    # grid: (seq blocks, batch x head groups from bh_start). A program rotates HEADS consecutive heads of q and the
+    # same heads of k (which may have fewer: GQA) at one block of positions, so the positions and their cos/sin are
+    # loaded once for all of them (HEADS > 1 needs positions shared by heads; HEADS >= heads: once per position).
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1) + bh_start
     groups = tl.cdiv(n_heads, HEADS)
@@ -80,22 +80,18 @@ def _rope_kernel(
     if INVERSE:
         sin_half = -sin_half
 
-    # ---- q (program axis 2 == 0) or k (== 1): this program's heads of it
-    is_q = tl.program_id(2) == 0
-    heads_here = n_heads if is_q else n_heads_k
+    # ---- this program's heads of q, then the same heads of k
     for i in range(HEADS):
         h = h0 + i
-        if h < heads_here:
-            if is_q:
-                src = Q + b * stride_qb + h * stride_qh
-                dst = Q_OUT + b * stride_qob + h * stride_qoh
-                src_s, dst_s = stride_qs, stride_qos
-            else:
-                src = K + b * stride_kb + h * stride_kh
-                dst = K_OUT + b * stride_kob + h * stride_koh
-                src_s, dst_s = stride_ks, stride_kos
-            _rotate_rows(src, dst, src_s, dst_s, rows, cols, pairs, mask, table_mask, half, cos_half, sin_half,
+        if h < n_heads:
+            _rotate_rows(Q + b * stride_qb + h * stride_qh, Q_OUT + b * stride_qob + h * stride_qoh, stride_qs,
+                         stride_qos, rows, cols, pairs, mask, table_mask, half, cos_half, sin_half,
                          BLOCK_S, BLOCK_D, HALF_SPLIT)
+        if HAS_K:
+            if h < n_heads_k:
+                _rotate_rows(K + b * stride_kb + h * stride_kh, K_OUT + b * stride_kob + h * stride_koh, stride_ks,
+                             stride_kos, rows, cols, pairs, mask, table_mask, half, cos_half, sin_half,
+                             BLOCK_S, BLOCK_D, HALF_SPLIT)
 
 
 @triton.jit
@@ -143,7 +139,8 @@ def rope_tables(theta: float, d_head: int, n_positions: int, device=None):
     return _cached_tables(float(theta), int(d_head), int(n_positions), torch.device(device or "cpu"))
 
 
-#: Programs to keep in flight before several heads share one (so their cos/sin load is shared): ~4 per SM.
+#: Programs to keep in flight before several heads share one (so their cos/sin load is shared): ~4 per SM. A tuned
+#: table may set HEADS up to 64 (every head of a Llama-sized layer: one cos/sin load per position).
 MIN_PROGRAMS_PER_SM = 4
 MAX_HEADS_PER_PROGRAM = 8
 
@@ -198,16 +195,17 @@ def rope_forward(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin
         if pos.stride(1) != 0:  # per-head positions: each head has its own cos/sin rows
             heads = 1
         elif heads is None:
-            heads = _heads_per_program(q.device, triton.cdiv(s, cfg["BLOCK_S"]) * b * h * len(tensors), h)
+            heads = _heads_per_program(q.device, triton.cdiv(s, cfg["BLOCK_S"]) * b * h, h)
         qv, kv = views[0], views[-1]
         qo, ko = out_views[0], out_views[-1]
         for bh_start, n_bh in grid_axis1_launches(b * triton.cdiv(h, heads)):
-            _rope_kernel[(triton.cdiv(s, cfg["BLOCK_S"]), n_bh, len(tensors))](
+            _rope_kernel[(triton.cdiv(s, cfg["BLOCK_S"]), n_bh)](
                 qv, kv, qo, ko, cos, sin, pos,
                 qv.stride(0), qv.stride(1), qv.stride(2), kv.stride(0), kv.stride(1), kv.stride(2),
                 qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
                 pos.stride(0), pos.stride(1), pos.stride(2),
-                h, h_k, bh_start, s, d, HEADS=heads, INVERSE=inverse, HALF_SPLIT=half_split, **cfg)
+                h, h_k, bh_start, s, d, HEADS=heads, HAS_K=k is not None, INVERSE=inverse, HALF_SPLIT=half_split,
+                **cfg)
     return outs[0], (outs[1] if k is not None else None)
 
 

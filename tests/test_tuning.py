@@ -208,7 +208,7 @@ def test_swiglu_inplace_backward_saves_memory_and_matches():
 # ----------------------------------------------------------------------------------------------------
 # RoPE: several heads per program share one cos/sin load; q and GQA k in one launch
 # ----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("heads_per_program", [None, 1, 2, 8])
+@pytest.mark.parametrize("heads_per_program", [None, 1, 2, 8, 64])
 @pytest.mark.parametrize("layout", ["interleaved", "half"])
 def test_rope_heads_per_program_and_gqa_in_one_launch(heads_per_program, layout):
     """Against an fp64 rotation built here from the same tables, forward and backward; q has 6 heads, k 2
