@@ -125,7 +125,7 @@ def _shipped(kernel: str, key: str, device, dtype) -> dict:
         cfg = importlib.import_module("tritonlm.kernels.rmsnorm")._launch_config(d_or_n)
         return {k: cfg[k] for k in ("BLOCK_M", "num_warps")}
     if kernel == "rope":
-        cfg = importlib.import_module("tritonlm.kernels.rope")._launch_config(d_or_n)
+        cfg = importlib.import_module("tritonlm.kernels.rope")._launch_config(d_or_n, dtype)
         return {k: cfg[k] for k in ("BLOCK_S", "num_warps")}
     return dict(BLOCK=importlib.import_module("tritonlm.kernels.swiglu").BLOCK, num_warps=4)
 

@@ -48,19 +48,21 @@ def _rope_kernel(
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_qob, stride_qoh, stride_qos, stride_kob, stride_koh, stride_kos,
     stride_pb, stride_ph, stride_ps,
-    n_heads, n_heads_k, bh_start, seq_len, d_head,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HEADS: tl.constexpr, HAS_K: tl.constexpr,
+    n_heads, n_heads_k, heads_per_program, bh_start, seq_len, d_head,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_K: tl.constexpr,
     INVERSE: tl.constexpr, HALF_SPLIT: tl.constexpr,
 ):
-    # grid: (seq blocks, batch x head groups from bh_start). A program rotates HEADS consecutive heads of q and the
-    # same heads of k (which may have fewer: GQA) at one block of positions, so the positions and their cos/sin are
-    # loaded once for all of them (HEADS > 1 needs positions shared by heads; HEADS >= heads: once per position).
+    # grid: (seq blocks, batch x head groups from bh_start). A program rotates heads_per_program consecutive heads
+    # of q and the same heads of k (which may have fewer: GQA) at one block of positions, so the positions and their
+    # cos/sin are loaded once for all of them (more than one head needs positions shared by heads). The head loop
+    # is a runtime loop rotating one head per step: unrolled, or with q and k in one step, the scheduler keeps
+    # several heads' tiles live (96-208 registers and spills for fp32 on sm_80, measured; one head: ~50-90).
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1) + bh_start
-    groups = tl.cdiv(n_heads, HEADS)
+    groups = tl.cdiv(n_heads, heads_per_program)
     # 64-bit offsets: one [heads, seq, d] batch may hold more than 2**31 elements
     b = (pid_bh // groups).to(tl.int64)
-    h0 = (pid_bh % groups).to(tl.int64) * HEADS
+    h0 = (pid_bh % groups).to(tl.int64) * heads_per_program
     s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
     s_mask = s < seq_len
     rows = s[:, None].to(tl.int64)
@@ -80,18 +82,23 @@ def _rope_kernel(
     if INVERSE:
         sin_half = -sin_half
 
-    # ---- this program's heads of q, then the same heads of k
-    for i in range(HEADS):
-        h = h0 + i
-        if h < n_heads:
-            _rotate_rows(Q + b * stride_qb + h * stride_qh, Q_OUT + b * stride_qob + h * stride_qoh, stride_qs,
-                         stride_qos, rows, cols, pairs, mask, table_mask, half, cos_half, sin_half,
+    # ---- this program's heads of q, then the same heads of k: one runtime loop whose body rotates one head, so
+    # only one head's tile is live at a time (registers as for a single head)
+    n_rot = heads_per_program * 2 if HAS_K else heads_per_program
+    for j in range(0, n_rot):
+        is_k = j >= heads_per_program
+        h = h0 + j % heads_per_program
+        if h < tl.where(is_k, n_heads_k, n_heads):
+            if is_k:
+                src = K + b * stride_kb + h * stride_kh
+                dst = K_OUT + b * stride_kob + h * stride_koh
+                src_s, dst_s = stride_ks, stride_kos
+            else:
+                src = Q + b * stride_qb + h * stride_qh
+                dst = Q_OUT + b * stride_qob + h * stride_qoh
+                src_s, dst_s = stride_qs, stride_qos
+            _rotate_rows(src, dst, src_s, dst_s, rows, cols, pairs, mask, table_mask, half, cos_half, sin_half,
                          BLOCK_S, BLOCK_D, HALF_SPLIT)
-        if HAS_K:
-            if h < n_heads_k:
-                _rotate_rows(K + b * stride_kb + h * stride_kh, K_OUT + b * stride_kob + h * stride_koh, stride_ks,
-                             stride_kos, rows, cols, pairs, mask, table_mask, half, cos_half, sin_half,
-                             BLOCK_S, BLOCK_D, HALF_SPLIT)
 
 
 @triton.jit
@@ -149,7 +156,10 @@ def _launch_config(d_head: int, dtype: torch.dtype | None = None, device: torch.
     """A ~4K-element tile of whole head rows; rows per program, heads per program and warps may come from a tuned
     table (``HEADS`` is then settled by :func:`_heads_per_program`)."""
     block_d = max(2, next_pow2(d_head))
-    block_s = max(1, min(64, TILE_ELEMENTS // block_d))
+    # fp32 tiles hold twice the bytes per element in registers: half the rows (SASS report: 2K-element fp32 tiles
+    # stay near the 16-bit kernels' register count)
+    tile = TILE_ELEMENTS // 2 if dtype == torch.float32 else TILE_ELEMENTS
+    block_s = max(1, min(64, tile // block_d))
     cfg = dict(BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4 if block_s * block_d <= 4096 else 8)
     if device is None:
         return cfg
@@ -204,8 +214,7 @@ def rope_forward(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin
                 qv.stride(0), qv.stride(1), qv.stride(2), kv.stride(0), kv.stride(1), kv.stride(2),
                 qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
                 pos.stride(0), pos.stride(1), pos.stride(2),
-                h, h_k, bh_start, s, d, HEADS=heads, HAS_K=k is not None, INVERSE=inverse, HALF_SPLIT=half_split,
-                **cfg)
+                h, h_k, heads, bh_start, s, d, HAS_K=k is not None, INVERSE=inverse, HALF_SPLIT=half_split, **cfg)
     return outs[0], (outs[1] if k is not None else None)
 
 
