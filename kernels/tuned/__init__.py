@@ -97,8 +97,14 @@ def load(slug: str) -> dict:
     return validate(table, str(path))
 
 
+@functools.cache
+def _device_name_of(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
 def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device)
+    # cached per device: choose() runs on every launch, the name never changes
+    return _device_name_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 _OVERRIDES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("tritonlm_tuned_overrides", default=None)

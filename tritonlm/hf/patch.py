@@ -53,12 +53,17 @@ def _rope_half_split(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
     """HF's ``apply_rotary_pos_emb(q, k, cos, sin)`` on ``q[b, heads, s, d]``, ``k[b, kv_heads, s, d]`` with
     ``cos, sin[b or 1, s, d]`` (both halves equal, as HF builds them): the per-token tables become a
     ``[b·s, d/2]`` table indexed by each token's row."""
-    seq, d = cos.shape[-2], cos.shape[-1]
-    cos_rows = cos.reshape(-1, seq, d)
-    table_batch = cos_rows.shape[0]
-    cos_table = cos_rows[..., : d // 2].reshape(-1, d // 2).contiguous()
-    sin_table = sin.reshape(-1, seq, d)[..., : d // 2].reshape(-1, d // 2).contiguous()
-    rows = torch.arange(table_batch * seq, device=q.device).view(table_batch, 1, seq)
+    # HF computes cos/sin once per forward and hands the same tensors to every layer: convert them once too
+    cached = getattr(_state, "rope_tables", None)
+    if cached is None or cached[0] is not cos or cached[1] is not sin:
+        seq, d = cos.shape[-2], cos.shape[-1]
+        cos_rows = cos.reshape(-1, seq, d)
+        table_batch = cos_rows.shape[0]
+        cos_table = cos_rows[..., : d // 2].reshape(-1, d // 2).contiguous()
+        sin_table = sin.reshape(-1, seq, d)[..., : d // 2].reshape(-1, d // 2).contiguous()
+        rows = torch.arange(table_batch * seq, device=q.device).view(table_batch, 1, seq)
+        cached = _state.rope_tables = (cos, sin, cos_table, sin_table, rows)
+    cos_table, sin_table, rows = cached[2:]
     # one launch for q and k, also when k has fewer heads (GQA)
     return _kernels().apply_rope(q, k, rows, cos=cos_table, sin=sin_table, check_positions=False, layout="half")
 
@@ -106,20 +111,30 @@ def tritonlm_attention(module, query, key, value, attention_mask, dropout: float
         return flash_attn_func(q, k, v, **opts), None
     if attention_mask.dim() != 2:
         raise ValueError(f"tritonlm attention: expected a [batch, keys] padding mask, got {tuple(attention_mask.shape)}")
-    # padding -> packed sequences: each row's valid tokens, in order, are one causal sequence
     batch, n_q, heads, d = q.shape
-    key_valid = attention_mask[:, -n_k:].bool()
-    query_valid = key_valid[:, -n_q:]
-    q_index = query_valid.reshape(-1).nonzero().squeeze(-1)
-    k_index = key_valid.reshape(-1).nonzero().squeeze(-1)
-    q_lens, k_lens = query_valid.sum(-1), key_valid.sum(-1)
-    cu_q = F.pad(q_lens.cumsum(0), (1, 0)).to(torch.int32)
-    cu_k = F.pad(k_lens.cumsum(0), (1, 0)).to(torch.int32)
+    q_index, k_index, cu_q, cu_k, max_q, max_k = _packing(attention_mask, n_q, n_k)
     packed = flash_attn_varlen_func(
         q.reshape(batch * n_q, heads, d)[q_index], k.reshape(batch * n_k, -1, d)[k_index],
-        v.reshape(batch * n_k, -1, d)[k_index], cu_q, cu_k, int(q_lens.max()), int(k_lens.max()), **opts)
+        v.reshape(batch * n_k, -1, d)[k_index], cu_q, cu_k, max_q, max_k, **opts)
     out = q.new_zeros(batch * n_q, heads, d).index_copy(0, q_index, packed)  # padded queries: zeros
     return out.view(batch, n_q, heads, d), None
+
+
+def _packing(attention_mask: torch.Tensor, n_q: int, n_k: int):
+    """Padding -> packed sequences (each row's valid tokens, in order, are one causal sequence): token indices,
+    int32 cu_seqlens and max lengths of queries and keys. Every layer gets the same mask object in a forward, so
+    the result (its host syncs included) is computed once per forward and reused."""
+    cached = getattr(_state, "packing", None)
+    if cached is not None and cached[0] is attention_mask and cached[1] == (n_q, n_k):
+        return cached[2]
+    key_valid = attention_mask[:, -n_k:].bool()
+    query_valid = key_valid[:, -n_q:]
+    q_lens, k_lens = query_valid.sum(-1), key_valid.sum(-1)
+    result = (query_valid.reshape(-1).nonzero().squeeze(-1), key_valid.reshape(-1).nonzero().squeeze(-1),
+              F.pad(q_lens.cumsum(0), (1, 0)).to(torch.int32), F.pad(k_lens.cumsum(0), (1, 0)).to(torch.int32),
+              int(q_lens.max()), int(k_lens.max()))
+    _state.packing = (attention_mask, (n_q, n_k), result)
+    return result
 
 
 def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
