@@ -379,3 +379,144 @@ def test_tied_model_trains_both_uses(backend):
     untied.loss(ids[:, :-1], ids[:, 1:]).backward()
     torch.testing.assert_close(tied.lm_head.weight.grad,
                                untied.lm_head.weight.grad + untied.token_embeddings.weight.grad, atol=1e-6, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------
+# apply_kernels: every way transformers says which keys a query sees, against unpatched sdpa
+# ----------------------------------------------------------------------------------------------------
+def _mistral(window, seed):
+    transformers = _transformers()
+    torch.manual_seed(seed)
+    cfg = transformers.MistralConfig(**SIZES, sliding_window=window)
+    return transformers.MistralForCausalLM(cfg).to(DEVICE).eval()
+
+
+def _flattened(lengths, flash_kwargs=False, seed=20):
+    transformers = _transformers()
+    gen = torch.Generator().manual_seed(seed)
+    docs = [{"input_ids": torch.randint(0, 300, (n,), generator=gen).tolist()} for n in lengths]
+    batch = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(docs)
+    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _compare_with_sdpa(base, batch, valid=None, tol=dict(atol=3e-5, rtol=1e-4)):
+    """Logits (eval, no cache), then loss and every gradient with gradient checkpointing on, patched vs
+    unpatched sdpa; ``valid`` picks the logit positions HF's output means something at (real tokens)."""
+    from tritonlm import hf
+
+    base.config._attn_implementation = "sdpa"
+    patched = hf.apply_kernels(copy.deepcopy(base))
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        got = patched(**inputs, use_cache=False).logits
+        expected = base(**inputs, use_cache=False).logits
+    if valid is not None:
+        got, expected = got[valid], expected[valid]
+    torch.testing.assert_close(got, expected, **tol)
+    grads = []
+    for model in (patched, base):
+        model.train()
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.x's name
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (loss, g), (loss_ref, g_ref) = grads
+    torch.testing.assert_close(loss, loss_ref, **tol)
+    for name in g_ref:
+        torch.testing.assert_close(g[name], g_ref[name], **tol, msg=name)
+    return patched
+
+
+def test_apply_kernels_packed_position_ids():
+    """DataCollatorWithFlattening: one row, position_ids restarting per document, no attention_mask. Each
+    document sees only itself: equal to unpatched sdpa and to running each document alone."""
+    base = _llama(seed=21)
+    batch = _flattened([5, 9, 3])
+    patched = _compare_with_sdpa(base, batch)
+    # and to each document alone (the packed logits are the documents' own)
+    patched.eval()
+    with torch.no_grad():
+        packed = patched(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        alone = [base(input_ids=d.unsqueeze(0)).logits for d in batch["input_ids"][0].split([5, 9, 3])]
+    torch.testing.assert_close(packed, torch.cat(alone, dim=1), atol=3e-5, rtol=1e-4)
+
+
+def test_apply_kernels_packed_rows_and_flash_kwargs():
+    """Two rows each packing documents (position_ids [2, s]); and the flash-attention kwargs (cu_seq_lens_q/k,
+    max_length_q/k) the collator passes with return_flash_attn_kwargs=True."""
+    base = _llama(seed=22)
+    gen = torch.Generator().manual_seed(23)
+    ids = torch.randint(0, 300, (2, 12), generator=gen).to(DEVICE)
+    position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 6, 0, 1, 0, 1, 2]]).to(DEVICE)
+    _compare_with_sdpa(base, dict(input_ids=ids, position_ids=position_ids, labels=ids))
+    _compare_with_sdpa(base, _flattened([7, 2, 6], flash_kwargs=True))
+
+
+def test_apply_kernels_flash_kwargs_alone_decide_documents():
+    """cu_seq_lens alone (position_ids not restarting, so nothing else says "packed") keep the documents apart,
+    as HF's flash-attention path reads them: each document against HF run on it alone at the same positions."""
+    from tritonlm import hf
+
+    base = _llama(seed=24)
+    batch = _flattened([4, 6], flash_kwargs=True)
+    patched = hf.apply_kernels(copy.deepcopy(base))
+    kwargs = {k: batch[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
+    ids = batch["input_ids"]
+    positions = torch.arange(10, device=DEVICE)[None]
+    with torch.no_grad():
+        got = patched(input_ids=ids, position_ids=positions, use_cache=False, **kwargs).logits
+        alone = [base(input_ids=ids[:, a:b], position_ids=positions[:, a:b]).logits for a, b in ((0, 4), (4, 10))]
+    torch.testing.assert_close(got, torch.cat(alone, dim=1), atol=3e-5, rtol=1e-4)
+    padding = torch.ones_like(ids)
+    padding[0, 0] = 0
+    with pytest.raises(ValueError, match="cu_seq_lens"):
+        patched(input_ids=ids, attention_mask=padding, use_cache=False, **kwargs)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_apply_kernels_padding_loss_and_grads(side):
+    base = _llama(seed=25)
+    gen = torch.Generator().manual_seed(26)
+    ids = torch.randint(0, 300, (3, 11), generator=gen).to(DEVICE)
+    mask = torch.ones_like(ids)
+    pads = slice(0, 4) if side == "left" else slice(7, None)
+    mask[1, pads] = 0
+    mask[2, :2 if side == "left" else -2] = 0 if side == "left" else 1
+    labels = ids.masked_fill(mask == 0, -100)
+    _compare_with_sdpa(base, dict(input_ids=ids, attention_mask=mask, labels=labels), valid=mask.bool())
+
+
+def test_apply_kernels_sliding_window_packed_and_padded():
+    """Mistral's window inside packed documents, and with padding; padding between valid tokens under a window
+    (the varlen kernel would shift the window) runs HF's sdpa path."""
+    base = _mistral(window=4, seed=27)
+    _compare_with_sdpa(base, _flattened([9, 3, 7], seed=28))
+    ids = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(29)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    _compare_with_sdpa(base, dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)),
+                       valid=mask.bool())
+    mask[1, 4:6] = 0  # a hole: not one run of valid tokens
+    _compare_with_sdpa(base, dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)),
+                       valid=mask.bool())
+
+
+def test_apply_kernels_custom_4d_mask_runs_sdpa(monkeypatch):
+    """A mask the kernel cannot express (a custom 4-D one: here every token also sees the first two) goes to
+    HF's sdpa attention, never to a different attention."""
+    from transformers.integrations import sdpa_attention
+
+    base = _llama(seed=30)
+    ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(31)).to(DEVICE)
+    allowed = torch.ones(9, 9, dtype=torch.bool).tril()
+    allowed[:, :2] = True
+    mask = allowed.to(DEVICE).expand(2, 1, 9, 9)
+    calls = []
+    real = sdpa_attention.sdpa_attention_forward
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _compare_with_sdpa(base, dict(input_ids=ids, attention_mask=mask, labels=ids))
+    assert calls  # the patched model did route through sdpa

@@ -93,8 +93,16 @@ def _attention_forward(self, *args, **kwargs):
 def tritonlm_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                        sliding_window=None, softcap=None, **kwargs):
     """transformers attention function (``AttentionInterface``): ``query[b, heads, s_q, d]``, ``key, value[b,
-    kv_heads, s_k, d]``, ``attention_mask`` None (causal) or the ``[b, s_k]`` padding mask -> ``([b, s_q, heads,
-    d], None)``. Causal, bottom-right aligned (decoding against a cache works as is)."""
+    kv_heads, s_k, d]`` -> ``([b, s_q, heads, d], None)``. Causal, bottom-right aligned (decoding against a cache
+    works as is). Which keys a query sees comes from, in this order:
+
+    * flash-attention kwargs ``cu_seq_lens_q/k`` (+ ``max_length_q/k``), as ``DataCollatorWithFlattening(
+      return_flash_attn_kwargs=True)`` passes them: packed sequences over the flattened ``b·s`` tokens (they take
+      precedence over the documents found in ``position_ids``; with a padding mask they are an error);
+    * ``attention_mask`` as :func:`_tritonlm_mask` built it: None (causal), an int ``[b, s_k]`` segment map
+      (padding and/or packed documents), or a 4-D mask it could not express, which runs HF's own sdpa attention;
+    * ``sliding_window`` (Mistral) on top of either.
+    """
     from ..kernels import flash_attn_func, flash_attn_varlen_func
 
     if dropout:
@@ -103,16 +111,38 @@ def tritonlm_attention(module, query, key, value, attention_mask, dropout: float
         raise NotImplementedError("tritonlm attention: output_attentions=True is not supported (P is never formed)")
     if getattr(module, "is_causal", True) is False:
         raise NotImplementedError("tritonlm attention: only causal attention is supported")
+    if attention_mask is not None and attention_mask.dim() == 4:
+        # a mask the varlen kernel cannot express (a custom 4-D mask, overlays, static-cache slicing): HF's sdpa
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        if softcap:
+            raise NotImplementedError("tritonlm attention: softcap with a mask only sdpa can express")
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      sliding_window=sliding_window, **kwargs)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [b, s, heads, d] views
+    batch, n_q, heads, d = q.shape
     n_k = k.shape[1]
     window = (sliding_window - 1, 0) if sliding_window and n_k > sliding_window else (-1, -1)
     opts = dict(softmax_scale=scaling, causal=True, window_size=window, softcap=softcap or 0.0)
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None or cu_k is not None:
+        if attention_mask is not None and not getattr(attention_mask, "tritonlm_documents", False):
+            raise ValueError("tritonlm attention: got both cu_seq_lens_q/k and a padding attention_mask; "
+                             "pass one of them")
+        if cu_q is None or cu_k is None or kwargs.get("max_length_q") is None or kwargs.get("max_length_k") is None:
+            raise ValueError("tritonlm attention: packed flash-attention kwargs need cu_seq_lens_q, cu_seq_lens_k, "
+                             "max_length_q and max_length_k together")
+        out = flash_attn_varlen_func(
+            q.reshape(batch * n_q, heads, d), k.reshape(batch * n_k, -1, d), v.reshape(batch * n_k, -1, d),
+            cu_q.to(torch.int32), cu_k.to(torch.int32), kwargs["max_length_q"], kwargs["max_length_k"], **opts)
+        return out.view(batch, n_q, heads, d), None
     if attention_mask is None:
         return flash_attn_func(q, k, v, **opts), None
-    if attention_mask.dim() != 2:
-        raise ValueError(f"tritonlm attention: expected a [batch, keys] padding mask, got {tuple(attention_mask.shape)}")
-    batch, n_q, heads, d = q.shape
-    q_index, k_index, cu_q, cu_k, max_q, max_k = _packing(attention_mask, n_q, n_k)
+    if attention_mask.dim() != 2 or attention_mask.dtype != torch.int32 or attention_mask.shape[1] != n_k:
+        raise ValueError("tritonlm attention: expected the [batch, keys] int32 segment map of the 'tritonlm' mask "
+                         f"function, got {attention_mask.dtype} {tuple(attention_mask.shape)} (a model that builds "
+                         "its own masks needs attn_implementation='sdpa')")
+    q_index, k_index, cu_q, cu_k, max_q, max_k = _packing(attention_mask, n_q)
     packed = flash_attn_varlen_func(
         q.reshape(batch * n_q, heads, d)[q_index], k.reshape(batch * n_k, -1, d)[k_index],
         v.reshape(batch * n_k, -1, d)[k_index], cu_q, cu_k, max_q, max_k, **opts)
@@ -120,32 +150,88 @@ def tritonlm_attention(module, query, key, value, attention_mask, dropout: float
     return out.view(batch, n_q, heads, d), None
 
 
-def _packing(attention_mask: torch.Tensor, n_q: int, n_k: int):
-    """Padding -> packed sequences (each row's valid tokens, in order, are one causal sequence): token indices,
-    int32 cu_seqlens and max lengths of queries and keys. Every layer gets the same mask object in a forward, so
-    the result (its host syncs included) is computed once per forward and reused."""
+def _packing(segments: torch.Tensor, n_q: int):
+    """A ``[b, n_k]`` segment map (-1 = padding; queries are the last ``n_q`` key positions) -> the packed
+    sequences the varlen kernel runs: every (row, segment) is one causal sequence of its valid tokens, in order.
+    Returns the query and key token indices, int32 cu_seqlens of queries and keys, and the max lengths. Every layer
+    gets the same mask object in a forward, so the result (its host syncs included) is computed once per forward.
+
+    Bottom-right alignment inside each sequence is exact: the valid keys after a valid query all lie in the query
+    span, so they are the valid queries after it."""
     cached = getattr(_state, "packing", None)
-    if cached is not None and cached[0] is attention_mask and cached[1] == (n_q, n_k):
+    if cached is not None and cached[0] is segments and cached[1] == n_q:
         return cached[2]
-    key_valid = attention_mask[:, -n_k:].bool()
+    batch, n_k = segments.shape
+    rows = torch.arange(batch, device=segments.device)[:, None]
+    group = rows * (n_k + 1) + segments.long()  # one id per (row, segment), increasing in token order
+    key_valid = segments >= 0
     query_valid = key_valid[:, -n_q:]
-    q_lens, k_lens = query_valid.sum(-1), key_valid.sum(-1)
+    key_group = group[key_valid]
+    query_group = group[:, -n_q:][query_valid]
+    groups, k_lens = torch.unique_consecutive(key_group, return_counts=True)
+    q_lens = torch.bincount(torch.searchsorted(groups, query_group), minlength=groups.numel())
     result = (query_valid.reshape(-1).nonzero().squeeze(-1), key_valid.reshape(-1).nonzero().squeeze(-1),
               F.pad(q_lens.cumsum(0), (1, 0)).to(torch.int32), F.pad(k_lens.cumsum(0), (1, 0)).to(torch.int32),
-              int(q_lens.max()), int(k_lens.max()))
-    _state.packing = (attention_mask, (n_q, n_k), result)
+              int(q_lens.max()) if q_lens.numel() else 0, int(k_lens.max()) if k_lens.numel() else 0)
+    _state.packing = (segments, n_q, result)
     return result
 
 
-def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
-                  **kwargs):
-    """transformers mask function for ``"tritonlm"``: None when nothing is padded, else the ``[b, kv]`` mask."""
-    if attention_mask is None:
-        return None
-    attention_mask = attention_mask[:, -kv_length:]
-    if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
-        return None
-    return attention_mask
+def _segments_of(dense: torch.Tensor, window) -> torch.Tensor | None:
+    """``dense[b, 1, n, n]`` (a boolean mask without a cache) -> its ``[b, n]`` int32 document ids when it is
+    exactly causal attention within contiguous documents (and ``window``), else None. A new document starts where
+    a query cannot see the key just before it; the whole mask is then compared with the one those ids describe."""
+    mask = dense[:, 0]
+    n = mask.shape[-1]
+    starts = ~torch.diagonal(mask, offset=-1, dim1=1, dim2=2)  # [b, n-1]: query j+1 cannot see key j
+    doc = F.pad(starts.long().cumsum(-1), (1, 0))
+    pos = torch.arange(n, device=mask.device)
+    expected = (doc[:, :, None] == doc[:, None, :]) & (pos[:, None] >= pos[None, :])
+    if window:
+        expected &= pos[:, None] - pos[None, :] < window
+    return doc.to(torch.int32) if torch.equal(expected, mask) else None
+
+
+def _tritonlm_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
+                   local_size=None, allow_is_causal_skip=True, **kwargs):
+    """transformers mask function for ``"tritonlm"`` (``AttentionMaskInterface``). It returns what
+    :func:`tritonlm_attention` can run exactly, else the mask HF's sdpa path would use:
+
+    * None: plain causal (sliding) attention, queries the last keys, nothing padded;
+    * an int32 ``[b, kv_length]`` segment map: -1 for padding keys, else the key's document (packed sequences
+      from ``position_ids`` restarting, found by evaluating transformers' own mask function and checking that the
+      whole mask is causal attention within contiguous documents);
+    * a 4-D boolean mask from ``sdpa_mask`` for anything else (custom overlays, static caches, padding in the
+      middle of a sliding window): :func:`tritonlm_attention` then runs HF's sdpa attention with it.
+    """
+    from transformers.masking_utils import sdpa_mask
+
+    call = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                local_size=local_size, **kwargs)
+    padding = None if attention_mask is None else attention_mask[:, -kv_length:].bool()
+    aligned = (isinstance(q_offset, int) and isinstance(kv_offset, int)
+               and kv_offset + kv_length == q_offset + q_length)  # queries are the last keys (bottom-right)
+    if allow_is_causal_skip and aligned and (padding is None or padding.shape[1] == kv_length):
+        # transformers overlays nothing here (it clears allow_is_causal_skip when it does): causal, maybe padded
+        if padding is None or bool(padding.all()):
+            return None
+        if local_size is not None:
+            # a window counts key positions: valid tokens must form one run per row for the packed sequence to
+            # keep their distances (left or right padding); padding between them goes to sdpa
+            runs = (padding.long().diff(dim=-1) > 0).sum(-1) + padding[:, 0].long()
+            if bool((runs > 1).any()):
+                return sdpa_mask(**{**call, "allow_is_causal_skip": False})
+        return torch.where(padding, 0, -1).to(torch.int32)
+    if padding is None and q_offset == 0 and kv_offset == 0 and q_length == kv_length:
+        # an overlay without a cache: packed documents (position_ids restarting) are the case to run natively
+        dense = sdpa_mask(**{**call, "allow_is_causal_skip": False})
+        segments = _segments_of(dense, local_size)
+        if segments is None:
+            return dense
+        segments.tritonlm_documents = True  # documents only, no padding: flash kwargs may describe the same
+        return segments
+    return sdpa_mask(**call)
 
 
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, *args, labels=None, shift_labels=None,
@@ -191,7 +277,7 @@ def _register_attention() -> None:
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError:  # transformers without mask interfaces build masks from the 2-D input itself
         return
-    AttentionMaskInterface.register(ATTENTION_NAME, _padding_mask)
+    AttentionMaskInterface.register(ATTENTION_NAME, _tritonlm_mask)
 
 
 def _set_attention(model, name: str) -> None:
