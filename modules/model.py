@@ -271,24 +271,28 @@ class TransformerLM(nn.Module):
                                return_pending=True, documents=documents)
         return self.ln_final(x) if pending is None else _add_norm(self.ln_final, pending, x)[0]
 
-    def new_kv_caches(self):
+    def new_kv_caches(self, reserve: int | None = None):
+        """One empty :class:`KVCache` per layer, each holding up to ``context_length`` positions; storage is
+        allocated for ``reserve`` positions first and grows with use."""
         from .reference import KVCache
 
-        return [KVCache(self.context_length) for _ in self.layers]
+        return [KVCache(self.context_length, reserve) for _ in self.layers]
 
     @torch.no_grad()
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, eos_id: int | list[int] | None = None,
                  generator: torch.Generator | None = None,
-                 use_cache: bool = True) -> torch.Tensor:
+                 use_cache: bool = True, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """Sample up to ``max_new_tokens`` after ``prompt_ids`` (``[seq]`` or ``[batch, seq]``).
 
         ``temperature=0`` is greedy; ``top_k`` keeps the k most likely tokens; ``top_p`` the smallest set
         whose probability reaches p. Stops early when every row has produced ``eos_id`` (one id, or a list of
         ids any of which ends a row, as Hugging Face configs give them; a finished row repeats it). Returns the
         prompt followed by the new tokens, same rank as the prompt. With ``use_cache`` each new token costs
-        one incremental forward against a KV cache; when the context fills up, the cache is rebuilt from
-        the most recent three quarters of the context.
+        one incremental forward against a KV cache, sized for prompt + ``max_new_tokens`` (never the whole
+        context up front); when the context fills up, the cache is rebuilt from the most recent three quarters of
+        the context. ``allowed`` (bool ``[vocab]``): only ids marked True are ever sampled, e.g. the ones a tokenizer can
+        decode when the model's vocabulary is padded past it (as Hugging Face checkpoints often are).
         """
         from ..generate import sample_next
 
@@ -300,6 +304,11 @@ class TransformerLM(nn.Module):
             raise ValueError(f"prompt_ids must be a non-empty [seq] or [batch, seq], got {tuple(ids.shape)}")
         if max_new_tokens < 0:
             raise ValueError("max_new_tokens must be >= 0")
+        if allowed is not None:
+            allowed = torch.as_tensor(allowed, dtype=torch.bool, device=ids.device)
+            if allowed.shape != (self.vocab_size,) or not bool(allowed.any()):
+                raise ValueError(f"allowed must be a bool [{self.vocab_size}] mask with at least one True, got "
+                                 f"{tuple(allowed.shape)}")
         was_training = self.training
         self.eval()
         try:
@@ -313,8 +322,11 @@ class TransformerLM(nn.Module):
                     if caches is None or caches[0].length + pending.shape[-1] > self.context_length:
                         # (re)fill the cache from the most recent tokens
                         keep = self.context_length if caches is None else max(1, 3 * self.context_length // 4)
-                        caches, pending = self.new_kv_caches(), ids[:, -keep:]
+                        pending = ids[:, -keep:]
+                        caches = self.new_kv_caches(reserve=pending.shape[-1] + max_new_tokens)
                     logits = self(pending, kv_caches=caches)[:, -1]
+                if allowed is not None:
+                    logits = logits.masked_fill(~allowed, float("-inf"))
                 nxt = sample_next(logits, temperature, top_k, top_p, generator)
                 if eos is not None:
                     nxt = torch.where(done, eos[0], nxt)

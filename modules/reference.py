@@ -315,25 +315,39 @@ class SiLUFFN(ReLUFFN):
 class KVCache:
     """Keys and values of past positions for incremental decoding, one per attention layer.
 
-    Preallocates ``[batch.., heads, max_len, d_k]`` on first use; :meth:`update` appends and returns
-    views of everything cached so far (a strided slice, no copy).
+    Storage ``[batch.., heads, capacity, d_k]`` grows with use (doubling, never past ``max_len``), so a model with a
+    131072-position context that generates a few tokens holds a few positions, not its whole context;
+    :meth:`update` appends and returns views of everything cached so far (a strided slice, no copy). ``reserve``
+    sizes the first allocation when the caller knows how many positions it will need (prompt + new tokens).
     """
 
-    def __init__(self, max_len: int):
+    def __init__(self, max_len: int, reserve: int | None = None):
         self.max_len = max_len
+        self.reserve = max_len if reserve is None else max(1, min(int(reserve), max_len))
         self.length = 0
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.k is None else self.k.shape[-2]
+
+    def _grow(self, k: torch.Tensor, v: torch.Tensor, needed: int) -> None:
+        size = min(self.max_len, max(needed, self.reserve if self.k is None else 2 * self.capacity))
+        shape = (*k.shape[:-2], size, k.shape[-1])
+        new_k, new_v = k.new_empty(shape), v.new_empty(shape)
+        if self.k is not None:
+            new_k[..., :self.length, :] = self.k[..., :self.length, :]
+            new_v[..., :self.length, :] = self.v[..., :self.length, :]
+        self.k, self.v = new_k, new_v
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n_new = k.shape[-2]
         if self.length + n_new > self.max_len:
             raise ValueError(f"KV cache holds at most {self.max_len} positions; "
                              f"{self.length} cached + {n_new} new exceeds it")
-        if self.k is None:
-            shape = (*k.shape[:-2], self.max_len, k.shape[-1])
-            self.k = k.new_empty(shape)
-            self.v = v.new_empty(shape)
+        if self.length + n_new > self.capacity:
+            self._grow(k, v, self.length + n_new)
         self.k[..., self.length:self.length + n_new, :] = k
         self.v[..., self.length:self.length + n_new, :] = v
         self.length += n_new

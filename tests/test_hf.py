@@ -520,3 +520,72 @@ def test_apply_kernels_custom_4d_mask_runs_sdpa(monkeypatch):
     monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
     _compare_with_sdpa(base, dict(input_ids=ids, attention_mask=mask, labels=ids))
     assert calls  # the patched model did route through sdpa
+
+
+# ----------------------------------------------------------------------------------------------------
+# loading options, atomic patching, cache size
+# ----------------------------------------------------------------------------------------------------
+def test_from_pretrained_dtype_forms_and_swish(tmp_path):
+    """dtype as transformers takes it ("auto" = the checkpoint's, names, torch dtypes); hidden_act "swish" is
+    SiLU (compared with transformers' own model)."""
+    from tritonlm import hf
+
+    theirs = _llama(dtype=torch.bfloat16, seed=40, hidden_act="swish")
+    theirs.save_pretrained(tmp_path)
+    for dtype, expected in [("auto", torch.bfloat16), ("bfloat16", torch.bfloat16), ("torch.float16", torch.float16),
+                            (torch.float32, torch.float32), (None, torch.bfloat16)]:
+        model = hf.from_pretrained(tmp_path, backend="reference", device=DEVICE, dtype=dtype)
+        assert model.lm_head.weight.dtype == expected, dtype
+    for bad in ("int8", "fp32", torch.int64):
+        with pytest.raises(ValueError, match="dtype"):
+            hf.from_pretrained(tmp_path, dtype=bad)
+    ours = hf.from_pretrained(tmp_path, backend="reference", device=DEVICE, dtype="float32")
+    ids = torch.randint(0, 300, (1, 9)).to(DEVICE)
+    torch.testing.assert_close(ours(ids), theirs.float()(ids).logits, atol=2e-5, rtol=1e-4)
+
+
+def test_apply_kernels_is_atomic_and_idempotent():
+    from tritonlm import hf
+
+    base = _llama(seed=41)
+    base.config._attn_implementation = "eager"
+    model = copy.deepcopy(base)
+    with pytest.raises(ValueError, match="lm_head"):
+        hf.apply_kernels(model.model)  # a bare model with loss=True: refused before anything is patched
+    assert not any(hasattr(m, "_tritonlm_patch") for m in model.modules())
+    assert model.config._attn_implementation == "eager"
+    once = hf.apply_kernels(copy.deepcopy(base))
+    twice = hf.apply_kernels(hf.apply_kernels(copy.deepcopy(base)))
+    ids = torch.randint(0, 300, (2, 7), generator=torch.Generator().manual_seed(42)).to(DEVICE)
+    with torch.no_grad():
+        assert torch.equal(once(ids).logits, twice(ids).logits)
+    assert [getattr(m, "_tritonlm_patch", None) for m in once.modules()] == \
+        [getattr(m, "_tritonlm_patch", None) for m in twice.modules()]
+    hf.remove_kernels(twice)
+    assert twice.config._attn_implementation == "eager"
+    assert not any(hasattr(m, "_tritonlm_patch") for m in twice.modules())
+    with torch.no_grad():
+        assert torch.equal(twice(ids).logits, base(ids).logits)
+
+
+def test_kv_cache_grows_with_use():
+    """A model with a 131072-position context allocates for prompt + new tokens, not its whole context; a cache
+    that outgrows its first allocation keeps every cached position."""
+    from tritonlm.modules.reference import KVCache
+
+    model = TransformerLM(vocab_size=50, context_length=131072, d_model=32, num_layers=2, num_heads=2, d_ff=64,
+                          rope_theta=10000.0).to(DEVICE)
+    made = []
+    real = model.new_kv_caches
+    model.new_kv_caches = lambda *a, **k: made.append(real(*a, **k)) or made[-1]
+    out = model.generate(torch.tensor([1, 2, 3]).to(DEVICE), max_new_tokens=2, temperature=0)
+    assert out.shape == (5,)
+    assert made and all(c.capacity <= 5 for c in made[0])
+    cache, keys = KVCache(64, reserve=2), []
+    for n in (1, 2, 4, 1):
+        k = torch.randn(1, 2, n, 4)
+        keys.append(k)
+        got_k, got_v = cache.update(k, k + 1)
+    assert cache.capacity < 64
+    torch.testing.assert_close(got_k, torch.cat(keys, dim=-2))
+    torch.testing.assert_close(got_v, torch.cat(keys, dim=-2) + 1)

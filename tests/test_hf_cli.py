@@ -15,16 +15,22 @@ TEXT = ("The cat sat on the mat. The dog sat on the log. A bird sang in the tree
 def hf_dir(tmp_path_factory):
     pytest.importorskip("safetensors", reason="the optional extra tritonlm[hf] (safetensors) is not installed")
     transformers = pytest.importorskip("transformers", reason="the optional extra tritonlm[hf] is not installed")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     path = tmp_path_factory.mktemp("hf-llama")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=290, special_tokens=["<|end_of_text|>"],
+    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=290, special_tokens=["<|end_of_text|>",
+                                                                                       "<|begin_of_text|>"],
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                                         show_progress=False))
+    # Llama 3's post-processor: BOS before every text (transformers' tokenizer(text) adds it)
+    tok.post_processor = processors.Sequence([processors.ByteLevel(trim_offsets=False), processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", tok.token_to_id("<|begin_of_text|>"))])])
     tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast", '
+                                                '"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}')
     eos = tok.token_to_id("<|end_of_text|>")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
@@ -36,13 +42,22 @@ def hf_dir(tmp_path_factory):
 
 
 def test_generate_from_hf_dir_equals_transformers(hf_dir, capsys):
+    """The prompt encoded as transformers' AutoTokenizer does (BOS from the post-processor), and the model's
+    vocabulary (300) padded past the tokenizer's 290 ids: those are never sampled (HF's suppress_tokens), and the
+    mismatch is named in one line up front."""
+    import transformers
+
     path, model, tok = hf_dir
     prompt = "The cat"
     assert main(["generate", "--checkpoint", str(path), "--prompt", prompt, "--max-new-tokens", "10",
                  "--temperature", "0", "--device", "cpu", "--backend", "reference"]) == 0
-    printed = capsys.readouterr().out
-    ids = torch.tensor([tok.encode(prompt).ids])
-    out = model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert "10 of the model's 300 ids are not in the tokenizer" in captured.err
+    ids = transformers.AutoTokenizer.from_pretrained(path)(prompt, return_tensors="pt").input_ids
+    assert ids[0, 0] == tok.token_to_id("<|begin_of_text|>")
+    out = model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                         suppress_tokens=list(range(tok.get_vocab_size(), 300)))[0, ids.shape[1]:].tolist()
     eos = model.config.eos_token_id
     new = out[:out.index(eos)] if eos in out else out
     assert printed.rstrip("\n") == prompt + tok.decode(new, skip_special_tokens=False)
@@ -64,7 +79,8 @@ def test_train_init_from_hf_dir(hf_dir, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"initialised from {path}" in printed
     model, tokenizer = load_for_generation(out, "cpu", "reference")
-    assert tokenizer.encode(TEXT[:200]) == tok.encode(TEXT[:200]).ids  # the checkpoint's own tokenizer
+    # the checkpoint's own tokenizer
+    assert tokenizer.encode(TEXT[:200]) == tok.encode(TEXT[:200], add_special_tokens=False).ids
     assert model.context_length == 32 and model.config.tie_embeddings
     original = from_pretrained(path, backend="reference", dtype=torch.float32, context_length=32)
     for (name, a), b in zip(model.state_dict().items(), original.state_dict().values()):
@@ -86,3 +102,45 @@ def test_accounting_hf(hf_dir, capsys):
     n = int(re.search(r"parameters: ([\d,]+)", printed).group(1).replace(",", ""))
     assert n == sum(p.numel() for p in model.parameters())  # transformers' own count (tied head counted once)
     assert main(["accounting", "--hf", str(path / "missing")]) == 2
+
+
+def test_generate_never_samples_undecodable_ids(hf_dir, monkeypatch):
+    """Sampling (not only greedy) from a model whose padded ids are the most likely: the text is never lost to
+    an unknown id."""
+    from tritonlm.train import generate_ids, load_for_generation
+
+    path, _, tok = hf_dir
+    model, tokenizer = load_for_generation(path, "cpu", "reference")
+    with torch.no_grad():
+        model.lm_head.weight[tok.get_vocab_size():] = model.lm_head.weight[:tok.get_vocab_size()].abs().max() * 50
+    new = generate_ids(model, tokenizer, "The dog", 8, temperature=1.0, seed=0)
+    assert len(new) == 8 and max(new) < tok.get_vocab_size()
+    tokenizer.decode(new)
+
+
+def test_tokenizer_json_path_and_missing_tokenizer(hf_dir, tmp_path, capsys):
+    """--tokenizer takes the tokenizer.json path itself; an HF directory without tokenizer.json is refused
+    before its weights are read."""
+    import shutil
+
+    from tritonlm.hf import checkpoint
+
+    path, _, tok = hf_dir
+    data = tmp_path / "text.txt"
+    data.write_text(TEXT, encoding="utf-8")
+    assert main(["train", "--tokenizer", str(path / "tokenizer.json"), "--data", str(data), "--preset", "tiny",
+                 "--context-length", "16", "--max-steps", "1", "--batch-size", "2", "--eval-every", "0",
+                 "--eval-batches", "1", "--sample-tokens", "2", "--out", str(tmp_path / "run"), "--device", "cpu",
+                 "--no-progress"]) == 0
+    assert "tokenizer: loaded from" in capsys.readouterr().out
+    bare = tmp_path / "bare"
+    shutil.copytree(path, bare)
+    (bare / "tokenizer.json").unlink()
+    read = []
+    real = checkpoint.read_hf_state
+    checkpoint.read_hf_state = lambda p: read.append(p) or real(p)
+    try:
+        assert main(["generate", "--checkpoint", str(bare), "--prompt", "x", "--device", "cpu"]) == 2
+    finally:
+        checkpoint.read_hf_state = real
+    assert "tokenizer" in capsys.readouterr().err and not read

@@ -143,3 +143,50 @@ def test_from_hf_ignore_merges(trained, tmp_path):
     assert Tokenizer.from_hf(edited).encode(text) == expected
     whole_word = spec["model"]["vocab"]["Ġzzqx"] in expected
     assert whole_word == spec["model"]["ignore_merges"]  # one token exactly when merges are ignored
+
+
+def test_from_hf_added_tokens_keep_their_own_ids(trained, tmp_path):
+    """``add_tokens``: an added token whose bytes are also a vocab entry (" the"), one that is a prefix of another
+    added token ("wor" / "world!"), and a special one: each is matched first, longest first, with its own id."""
+    theirs, path = trained
+    tok = tokenizers.Tokenizer.from_file(str(path))
+    vocab = tok.get_vocab()
+    assert "Ġthe" in vocab  # the bytes of " the" are a vocab entry already
+    tok.add_tokens([" the", "wor", "world!"])
+    tok.add_special_tokens(["<|pad|>"])
+    assert tok.token_to_id(" the") != vocab["Ġthe"]
+    edited = tmp_path / "added.json"
+    tok.save(str(edited))
+    ours = Tokenizer.from_hf(edited)
+    texts = ["hello the world", " the theory", "world! wor world", "<|pad|> the<|eot_id|>world!",
+             "nothing added here", "the the  the", "wor"]
+    for text in texts + ["".join(TRICKY)]:
+        expected = tok.encode(text, add_special_tokens=False).ids
+        assert ours.encode(text) == expected, text
+        assert ours.decode(expected) == tok.decode(expected, skip_special_tokens=False)
+    assert tok.token_to_id(" the") in ours.encode("hello the world")
+
+
+@pytest.mark.parametrize("post", ["template", "sequence", "bytelevel", "none"])
+def test_encode_with_special_tokens_as_transformers(trained, tmp_path, post):
+    """``encode(text, add_special_tokens=True)`` equals ``AutoTokenizer(dir)(text).input_ids``: the
+    post-processor (Llama 3's BOS template, alone or in a Sequence after ByteLevel) decides what is added."""
+    transformers = pytest.importorskip("transformers", reason="the optional extra tritonlm[hf] is not installed")
+    from tokenizers import processors
+
+    _, path = trained
+    tok = tokenizers.Tokenizer.from_file(str(path))
+    bos = tok.token_to_id("<|begin_of_text|>")
+    template = processors.TemplateProcessing(single="<|begin_of_text|> $A <|eot_id|>",
+                                             special_tokens=[("<|begin_of_text|>", bos),
+                                                             ("<|eot_id|>", tok.token_to_id("<|eot_id|>"))])
+    tok.post_processor = {"template": template, "none": None, "bytelevel": processors.ByteLevel(trim_offsets=False),
+                          "sequence": processors.Sequence([processors.ByteLevel(trim_offsets=False), template])}[post]
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "add_bos_token": True}))
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ours = Tokenizer.from_hf(tmp_path)
+    for text in ["Hello world", TRICKY[2], "<|eot_id|> x"]:
+        assert ours.encode(text, add_special_tokens=True) == theirs(text).input_ids, text
+    assert (ours.encode("hi", add_special_tokens=True)[0] == bos) == (post in ("template", "sequence"))

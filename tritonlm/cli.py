@@ -133,7 +133,7 @@ def cmd_train(args) -> int:
 def cmd_generate(args) -> int:
     import time
 
-    from .train import TrainError, generate_ids, load_for_generation
+    from .train import TrainError, generate_ids, load_for_generation, vocab_mismatch
 
     if args.max_new_tokens < 0:
         raise CLIError(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
@@ -145,6 +145,9 @@ def cmd_generate(args) -> int:
         raise CLIError(f"--top-p {args.top_p}: must be in (0, 1]")
     try:
         model, tokenizer = load_for_generation(args.checkpoint, args.device, args.backend)
+        mismatch = vocab_mismatch(model, tokenizer)
+        if mismatch:
+            print(mismatch, file=sys.stderr)
         t0 = time.perf_counter()
         new_ids = generate_ids(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
                                args.top_p, args.seed)
@@ -391,8 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "summary.json and the tokenizer into --out.")
     p.add_argument("--data", help="text file (a tokenizer is trained on it unless --tokenizer is given), or a "
                                   ".npy/.bin token file; default: the embedded corpus")
-    p.add_argument("--tokenizer", help="directory with vocab.json + merges.txt (GPT-2 format) or a Hugging Face "
-                                       "tokenizer.json to use")
+    p.add_argument("--tokenizer", help="tokenizer to use: a directory with vocab.json + merges.txt (GPT-2 format) "
+                                       "or a Hugging Face tokenizer.json, or the path of that tokenizer.json")
     p.add_argument("--init-from", metavar="HF_DIR",
                    help="fine-tune a local Hugging Face Llama/Mistral model (config.json + safetensors): its sizes, "
                         "weights and tokenizer.json; only --context-length (training length, default "
@@ -461,14 +464,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tokenize", help="train a BPE tokenizer, encode a file to tokens, compare compression",
                        description="Three modes on INPUT: train (--vocab-size, --out), encode (--tokenizer DIR "
-                                   "--output FILE.npy), or --stats (compression of one or two --tokenizer dirs).")
+                                   "--output FILE.npy), or --stats (compression of one or two --tokenizers). A "
+                                   "tokenizer is a directory with *vocab.json + *merges.txt (GPT-2 format) or a "
+                                   "byte-level BPE tokenizer.json (Hugging Face), or the path of that tokenizer.json.")
     p.add_argument("input", help="a UTF-8 text file")
     p.add_argument("--vocab-size", type=int, help="train: final vocabulary size")
     p.add_argument("--out", help="train: directory for vocab.json and merges.txt")
     p.add_argument("--special-tokens", nargs="*", default=None,
                    help="train: special tokens (default <|endoftext|>), saved beside the tokenizer; encoding uses "
                         "the ones the --tokenizer directory was trained with")
-    p.add_argument("--tokenizer", action="append", help="directory with *vocab.json + *merges.txt (repeatable)")
+    p.add_argument("--tokenizer", action="append",
+                   help="a directory with *vocab.json + *merges.txt or a tokenizer.json, or the tokenizer.json "
+                        "itself (repeatable)")
     p.add_argument("--output", help="encode: output .npy token file (uint16, or uint32 for big vocabs)")
     p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     p.add_argument("--stats", action="store_true", help="compare compression ratios (bytes/token)")

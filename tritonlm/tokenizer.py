@@ -440,6 +440,38 @@ STREAM_CACHE_ENTRIES = 2_048
 STREAM_BUFFER_CHARS = 1 << 13
 
 
+def _hf_template(file: Path, post) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ids a tokenizer.json's post-processor puts before and after a single text: TemplateProcessing's
+    ``single`` (Llama 3's ``<|begin_of_text|> $A``), Roberta/Bert's cls ... sep, nothing for ByteLevel; a Sequence
+    combines its steps. Other post-processors are a ``ValueError`` naming the type."""
+    if not post:
+        return (), ()
+    kind = post.get("type")
+    if kind == "Sequence":
+        before, after = [], []
+        for step in post.get("processors", []):
+            b, a = _hf_template(file, step)
+            before, after = before + list(b), list(a) + after
+        return tuple(before), tuple(after)
+    if kind == "ByteLevel":
+        return (), ()
+    if kind in ("RobertaProcessing", "BertProcessing"):
+        return (int(post["cls"][1]),), (int(post["sep"][1]),)
+    if kind == "TemplateProcessing":
+        specials = post.get("special_tokens", {})
+        before, after, seen_text = [], [], False
+        for piece in post.get("single", []):
+            if "Sequence" in piece:
+                seen_text = True
+                continue
+            name = piece.get("SpecialToken", {}).get("id")
+            if name not in specials:
+                raise ValueError(f"{file}: post_processor template names an unknown special token {name!r}")
+            (after if seen_text else before).extend(int(i) for i in specials[name]["ids"])
+        return tuple(before), tuple(after)
+    raise ValueError(f"{file}: post_processor type {kind!r} is not supported")
+
+
 class Tokenizer:
     """Byte-level BPE encoder/decoder over a ``vocab`` (id -> bytes) and ranked ``merges``.
 
@@ -449,7 +481,8 @@ class Tokenizer:
     """
 
     def __init__(self, vocab: Vocab, merges: Merges, special_tokens: list[str] | None = None, *,
-                 pattern: str | None = None, normalization: str | None = None, ignore_merges: bool = False):
+                 pattern: str | None = None, normalization: str | None = None, ignore_merges: bool = False,
+                 special_token_ids: dict[str, int] | None = None):
         if normalization not in (None, "NFC"):
             raise ValueError(f"normalization must be None or 'NFC', got {normalization!r}")
         self.pattern = pattern or GPT2_PATTERN
@@ -487,9 +520,18 @@ class Tokenizer:
             except KeyError as e:
                 raise ValueError(f"merge {rank} {left!r} + {right!r} uses a token missing from the vocab") from e
             self._ranks.setdefault(key, rank << _ID_BITS | merged)
-        self._special_ids = {t: self._id_of[t.encode("utf-8")] for t in self.special_tokens}
+        # a special (added) token keeps its own id even when the same bytes are also a vocab entry (HF's
+        # add_tokens([" world"]) gives a new id; BPE merges keep using the vocab's)
+        own_ids = dict(special_token_ids or {})
+        for tok, i in own_ids.items():
+            if tok not in self.special_tokens or self.vocab.get(i) != tok.encode("utf-8"):
+                raise ValueError(f"special_token_ids: {tok!r} -> {i} is not a special token with that vocab entry")
+        self._special_ids = {t: own_ids.get(t, self._id_of[t.encode("utf-8")]) for t in self.special_tokens}
         self._splitter = _special_splitter(self.special_tokens)
         self._cache = _PieceCache(self._bpe, ENCODE_CACHE_ENTRIES)
+        #: ids put before and after a text by ``encode(..., add_special_tokens=True)`` (a tokenizer.json's
+        #: post-processor, e.g. Llama 3's BOS); none for tokenizers trained here
+        self.template: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
 
     # -- construction from / to files ------------------------------------------------------------
     @classmethod
@@ -517,8 +559,10 @@ class Tokenizer:
     def from_hf(cls, path) -> Tokenizer:
         """A Hugging Face ``tokenizer.json`` (a file, or a directory holding one) of a byte-level BPE tokenizer:
         GPT-2, Llama 3, Qwen 2 and their kin. The pre-tokenisation regex, NFC normalisation, ``ignore_merges``
-        and the added tokens (all treated as special tokens) come from the file; ``encode`` equals the
-        ``tokenizers`` library's ``encode(text, add_special_tokens=False)`` (no BOS is prepended).
+        and the added tokens (all treated as special tokens: matched first, longest first, each with its own id
+        even where its bytes are also a vocab entry) come from the file; ``encode`` equals the ``tokenizers``
+        library's ``encode(text, add_special_tokens=False)`` (no BOS is prepended; :meth:`hf_special_ids` tells
+        what transformers' tokenizer adds around a prompt).
 
         Other tokenizer types (SentencePiece-style BPE with byte fallback, Unigram, WordPiece) and pipeline steps
         this encoder does not implement are a ``ValueError`` naming the field.
@@ -550,15 +594,18 @@ class Tokenizer:
             if len(parts) != 2:
                 raise ValueError(f"{file}: bad merge {merge!r}")
             merges.append((_from_unicode(parts[0]), _from_unicode(parts[1])))
-        specials = []
+        specials, own_ids = [], {}
         for added in spec.get("added_tokens", []):
             flags = [f for f in ("lstrip", "rstrip", "single_word") if added.get(f)]
             if flags:
                 raise ValueError(f"{file}: added token {added['content']!r} sets {', '.join(flags)}: not supported")
             vocab[int(added["id"])] = added["content"].encode("utf-8")
             specials.append(added["content"])
-        return cls(vocab, merges, specials, pattern=pattern, normalization=normalization,
-                   ignore_merges=bool(model.get("ignore_merges", False)))
+            own_ids[added["content"]] = int(added["id"])
+        tok = cls(vocab, merges, specials, pattern=pattern, normalization=normalization,
+                  ignore_merges=bool(model.get("ignore_merges", False)), special_token_ids=own_ids)
+        tok.template = _hf_template(file, spec.get("post_processor"))
+        return tok
 
     def save(self, vocab_path, merges_path) -> None:
         """Write GPT-2's format: ``vocab.json`` and ``merges.txt`` (byte <-> unicode mapped)."""
@@ -649,16 +696,22 @@ class Tokenizer:
         # the lookups run in C (map over the cache's __getitem__); only unseen pre-tokens reach Python
         out.extend(chain.from_iterable(map(cache.__getitem__, self._split(text))))
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (special tokens become their single ids)."""
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text`` (special tokens become their single ids). ``add_special_tokens=True`` also puts
+        the :attr:`template` ids around them (a Hugging Face tokenizer.json's post-processor: its BOS), as
+        transformers' ``tokenizer(text).input_ids`` does."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects str, got {type(text).__name__}")
         try:
-            return self._encode_with(text, self._cache)
+            ids = self._encode_with(text, self._cache)
         except UnicodeEncodeError:
             # surrogates (not encodable as UTF-8), as tiktoken handles them: a valid pair becomes its character,
             # a lone one U+FFFD
-            return self._encode_with(_fix_surrogates(text), self._cache)
+            ids = self._encode_with(_fix_surrogates(text), self._cache)
+        if add_special_tokens:
+            before, after = self.template
+            ids = [*before, *ids, *after]
+        return ids
 
     def _encode_with(self, text: str, cache: _PieceCache) -> list[int]:
         out: list[int] = []

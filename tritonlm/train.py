@@ -153,8 +153,10 @@ def find_tokenizer_files(location) -> tuple[Path, ...]:
     """The files that define a tokenizer directory: a Hugging Face ``tokenizer.json``, else ``vocab.json`` and
     ``merges.txt`` (or GPT-2's ``*vocab.json``/``*merges.txt``)."""
     loc = Path(location)
+    if loc.is_file() and loc.name == HF_TOKENIZER_FILE:  # a tokenizer.json named directly
+        return (loc,)
     if not loc.is_dir():
-        raise TrainError(f"tokenizer directory not found: {loc}")
+        raise TrainError(f"tokenizer not found: {loc} (a directory, or its tokenizer.json)")
     if (loc / HF_TOKENIZER_FILE).is_file():
         return (loc / HF_TOKENIZER_FILE,)
     vocab = sorted(loc.glob("*vocab.json"))
@@ -162,6 +164,14 @@ def find_tokenizer_files(location) -> tuple[Path, ...]:
     if len(vocab) != 1 or len(merges) != 1:
         raise TrainError(f"{loc} must hold a tokenizer.json, or exactly one *vocab.json and one *merges.txt")
     return vocab[0], merges[0]
+
+
+def tokenizer_dir(location) -> Path:
+    """The tokenizer directory of ``--tokenizer``: the directory itself, or the one holding a tokenizer.json
+    named directly (so checkpoints and resumes record a directory)."""
+    loc = Path(location)
+    find_tokenizer_files(loc)  # a one-line error now when there is no tokenizer there
+    return loc.parent if loc.is_file() else loc
 
 
 SPECIAL_TOKENS_FILE = "special_tokens.json"
@@ -238,13 +248,13 @@ def prepare_data(cfg: TrainConfig, out: Path, vocab_size: int, say=print):
             tokens = np.memmap(path, dtype=width, mode="r")
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise TrainError(f"{path} must be a flat integer token array")
-        tok_dir = Path(cfg.tokenizer) if cfg.tokenizer else None
+        tok_dir = tokenizer_dir(cfg.tokenizer) if cfg.tokenizer else None
         tokenizer = load_tokenizer(tok_dir) if tok_dir else None
         say(f"data: {len(tokens):,} pre-tokenised tokens from {path}")
         return tokens, tokenizer, tok_dir
 
     if cfg.tokenizer:
-        tok_dir = Path(cfg.tokenizer)
+        tok_dir = tokenizer_dir(cfg.tokenizer)
         tokenizer = load_tokenizer(tok_dir)
         say(f"tokenizer: loaded from {tok_dir} ({tokenizer.vocab_size} ids)")
     else:
@@ -836,10 +846,14 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, temperatur
 
 def generate_ids(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> list[int]:
-    """The new token ids after ``prompt`` (up to, not including, ``<|endoftext|>``)."""
-    ids = tokenizer.encode(prompt)
+    """The new token ids after ``prompt`` (up to, not including, ``<|endoftext|>``). The prompt is encoded as
+    transformers would (a tokenizer.json's post-processor adds its BOS), and only ids the tokenizer can decode
+    are sampled (see :func:`vocab_mismatch`)."""
+    ids = tokenizer.encode(prompt, add_special_tokens=True)
     if not ids:
         raise TrainError("the prompt encodes to no tokens")
+    if max(ids) >= model.vocab_size:
+        raise TrainError(f"the prompt encodes to id {max(ids)}, outside the model's vocabulary of {model.vocab_size}")
     device = next(model.parameters()).device
     gen = None
     if seed is not None:
@@ -849,11 +863,30 @@ def generate_ids(model, tokenizer, prompt: str, max_new_tokens: int, temperature
     if eos is None:
         eos = tokenizer._special_ids.get("<|endoftext|>")
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    allowed = torch.zeros(model.vocab_size, dtype=torch.bool)
+    allowed[[i for i in tokenizer.vocab if 0 <= i < model.vocab_size]] = True
     out = model.generate(torch.tensor(ids, device=device), max_new_tokens, temperature=temperature, top_k=top_k,
-                         top_p=top_p, eos_id=eos, generator=gen)
+                         top_p=top_p, eos_id=eos, generator=gen, allowed=None if bool(allowed.all()) else allowed)
     new = out[len(ids):].tolist()
     stops = [i for i, t in enumerate(new) if t in eos_ids]
     return new[:stops[0]] if stops else new
+
+
+def vocab_mismatch(model, tokenizer) -> str | None:
+    """One line naming how the model's vocabulary and the tokenizer's ids differ, or None when they match.
+    Generation never samples an id the tokenizer cannot decode (a vocabulary padded to a multiple of 64/128 is
+    common in Hugging Face checkpoints)."""
+    ids = set(tokenizer.vocab)
+    beyond = sum(1 for i in ids if i >= model.vocab_size)
+    holes = model.vocab_size - sum(1 for i in ids if i < model.vocab_size)
+    if not beyond and not holes:
+        return None
+    parts = []
+    if holes:
+        parts.append(f"{holes} of the model's {model.vocab_size} ids are not in the tokenizer and are never sampled")
+    if beyond:
+        parts.append(f"{beyond} tokenizer ids are beyond the model's vocabulary")
+    return "vocab: " + "; ".join(parts)
 
 
 def is_hf_model_dir(path) -> bool:
@@ -866,6 +899,7 @@ def is_hf_model_dir(path) -> bool:
 def _load_hf_for_generation(path: Path, device, backend):
     from .hf.checkpoint import from_pretrained
 
+    tokenizer = load_tokenizer(path)  # before the weights: a missing tokenizer.json is found at once
     dev = resolve_device(device)
     backend = runnable_backend(backend, dev)
     try:
@@ -874,7 +908,7 @@ def _load_hf_for_generation(path: Path, device, backend):
     except (ValueError, FileNotFoundError, ImportError) as e:
         raise TrainError(f"{path}: {e}") from None
     model.eval()
-    return model, load_tokenizer(path)
+    return model, tokenizer
 
 
 def load_for_generation(checkpoint_dir, device="auto", backend="auto"):

@@ -97,7 +97,7 @@ def model_config_from_hf(cfg: dict, context_length: int | None = None) -> ModelC
     if unsupported:
         raise ValueError(f"architectures {unsupported} not supported (supported: {', '.join(ARCHITECTURES)})")
     act = cfg.get("hidden_act", "silu")
-    if act != "silu":
+    if act not in ("silu", "swish"):  # transformers maps "swish" to SiLU as well
         raise ValueError(f"hidden_act {act!r} is not supported: the SwiGLU FFN uses silu")
     for field in ("attention_bias", "mlp_bias"):
         if cfg.get(field):
@@ -249,11 +249,28 @@ def _checkpoint_dtype(cfg: dict, hf_state: dict[str, torch.Tensor]) -> torch.dty
     return floats[0] if floats else torch.float32
 
 
+def _requested_dtype(dtype) -> torch.dtype | None:
+    """``dtype`` as transformers' ``from_pretrained`` takes it: None or "auto" (-> None: the checkpoint's), a torch
+    dtype, or its name ("bfloat16", "torch.float16")."""
+    if dtype is None or (isinstance(dtype, str) and dtype == "auto"):
+        return None
+    if isinstance(dtype, torch.dtype):
+        chosen = dtype
+    elif isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
+        chosen = _DTYPES[dtype.removeprefix("torch.")]
+    else:
+        raise ValueError(f"dtype {dtype!r}: expected 'auto', a torch dtype or one of {sorted(_DTYPES)}")
+    if not chosen.is_floating_point:
+        raise ValueError(f"dtype {dtype!r} is not a floating-point dtype")
+    return chosen
+
+
 def from_pretrained(path, backend: str = "auto", device=None, dtype=None, *, context_length: int | None = None):
     """A :class:`~tritonlm.modules.TransformerLM` holding a local HF ``LlamaForCausalLM``/``MistralForCausalLM``.
 
     ``path``: a directory with ``config.json`` and ``*.safetensors`` (sharded with ``model.safetensors.index.json``
-    too). ``dtype`` defaults to the checkpoint's (``torch_dtype``/``dtype`` in config.json); ``context_length`` to
+    too). ``dtype``: None or "auto" = the checkpoint's (``torch_dtype``/``dtype`` in config.json), else a torch
+    dtype or its name ("bfloat16"), as transformers takes it; ``context_length`` defaults to
     ``max_position_embeddings``. The returned model keeps the HF config dict as ``model.hf_config`` (token ids
     for generation, and :func:`save_pretrained` writes them back).
     """
@@ -262,6 +279,7 @@ def from_pretrained(path, backend: str = "auto", device=None, dtype=None, *, con
     path = Path(path)
     hf_cfg = read_hf_config(path)
     cfg = model_config_from_hf(hf_cfg, context_length)
+    dtype = _requested_dtype(dtype)  # checked before the weights are read
     hf_state = read_hf_state(path)
     state = state_from_hf(hf_state, cfg)
     dtype = dtype or _checkpoint_dtype(hf_cfg, hf_state)

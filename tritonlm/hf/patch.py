@@ -287,16 +287,21 @@ def _set_attention(model, name: str) -> None:
         model.config._attn_implementation = name
 
 
-def _install_rotary_dispatch(module) -> None:
-    """Route the modeling module's ``apply_rotary_pos_emb`` through :func:`_rotary_dispatch` (once; it calls the
-    original outside patched attention layers, so unpatched models in the process are unaffected)."""
+def _rotary_module(module):
+    """The modeling module whose ``apply_rotary_pos_emb`` an attention layer calls (checked before patching)."""
     import importlib
 
     name = type(module).__module__
     modeling = importlib.import_module(name)
-    current = getattr(modeling, "apply_rotary_pos_emb", None)
-    if current is None:
+    if getattr(modeling, "apply_rotary_pos_emb", None) is None:
         raise NotImplementedError(f"rope=True: {name} has no apply_rotary_pos_emb to route")
+    return name, modeling
+
+
+def _install_rotary_dispatch(name: str, modeling) -> None:
+    """Route the modeling module's ``apply_rotary_pos_emb`` through :func:`_rotary_dispatch` (once; it calls the
+    original outside patched attention layers, so unpatched models in the process are unaffected)."""
+    current = modeling.apply_rotary_pos_emb
     if not getattr(current, "tritonlm_dispatch", False):
         _ORIGINAL_ROTARY[name] = current
         modeling.apply_rotary_pos_emb = _rotary_dispatch(name)
@@ -311,29 +316,43 @@ def apply_kernels(model, rms_norm: bool = True, rope: bool = True, swiglu: bool 
                   loss: bool = True):
     """Patch a Hugging Face Llama/Mistral model instance (``*ForCausalLM`` or the bare ``*Model``) in place with
     tritonlm's kernels and return it. See the module docstring for what each switch replaces;
-    :func:`remove_kernels` restores the model. The kernels need CUDA tensors (or ``TRITON_INTERPRET=1``)."""
+    :func:`remove_kernels` restores the model. The kernels need CUDA tensors (or ``TRITON_INTERPRET=1``).
+
+    Atomic: every check runs before anything is patched, so an error leaves the model as it was. Idempotent:
+    applying again patches the same forwards again, and :func:`remove_kernels` still restores the attention
+    implementation the model had before the first call."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in MODEL_TYPES:
         raise ValueError(f"apply_kernels supports {', '.join(MODEL_TYPES)} models, got model_type={model_type!r}")
-    if swiglu and getattr(config, "hidden_act", "silu") != "silu":
+    if swiglu and getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
         raise ValueError(f"swiglu=True needs hidden_act='silu', got {config.hidden_act!r}")
+    if loss and not hasattr(model, "lm_head"):
+        raise ValueError("loss=True needs a *ForCausalLM model (with lm_head); pass loss=False for a bare model")
+    # stage 1: find every module to patch and check it (nothing is changed yet)
+    plan, rotary = [], {}
     for module in model.modules():
         name = type(module).__name__
         if rms_norm and name.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
-            _patch(module, _rms_norm_forward, "rms_norm")
+            plan.append((module, _rms_norm_forward, "rms_norm"))
         elif swiglu and name.endswith("MLP") and all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj")):
-            _patch(module, _mlp_forward, "swiglu")
+            plan.append((module, _mlp_forward, "swiglu"))
         elif rope and name.endswith("Attention") and hasattr(module, "q_proj"):
-            _install_rotary_dispatch(module)
-            _patch(module, _attention_forward, "rope")
+            modeling_name, modeling = _rotary_module(module)
+            rotary[modeling_name] = modeling
+            plan.append((module, _attention_forward, "rope"))
     if attention:
         _register_attention()
-        model._tritonlm_previous_attention = config._attn_implementation
+    # stage 2: patch
+    for modeling_name, modeling in rotary.items():
+        _install_rotary_dispatch(modeling_name, modeling)
+    for module, forward, tag in plan:
+        _patch(module, forward, tag)
+    if attention:
+        if getattr(model, "_tritonlm_previous_attention", None) is None:
+            model._tritonlm_previous_attention = config._attn_implementation
         _set_attention(model, ATTENTION_NAME)
     if loss:
-        if not hasattr(model, "lm_head"):
-            raise ValueError("loss=True needs a *ForCausalLM model (with lm_head); pass loss=False for a bare model")
         _patch(model, _causal_lm_forward, "loss")
     return model
 
