@@ -61,9 +61,12 @@ def _cases(device, smoke: bool) -> list[tuple]:
 
         def bwd_step(d=d, b=b, h=h, n=n, deterministic=True):
             q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-            out = flash_attention(q, k, v, True, deterministic=deterministic)
-            grad = torch.randn_like(out)
-            return lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+            grad = torch.randn(b, h, n, d, device=device, dtype=dtype)
+
+            def step():  # forward and backward (a candidate's forward must not change what the backward sees)
+                out = flash_attention(q, k, v, True, deterministic=deterministic)
+                return torch.autograd.grad(out, (q, k, v), grad)
+            return step
 
         # the Hopper TMA variant competes with the shipped tiles on sm_90+ (and in the smoke run's interpreter)
         hopper = smoke or torch.cuda.get_device_capability(device)[0] >= 9
@@ -78,12 +81,11 @@ def _cases(device, smoke: bool) -> list[tuple]:
         def norm_step(n_cols=n_cols, rows=rows):
             x = torch.randn(rows, n_cols, device=device, dtype=dtype, requires_grad=True)
             w = torch.ones(n_cols, device=device, dtype=dtype, requires_grad=True)
-            y = rms_norm(x, w)
-            grad = torch.randn_like(y)
+            grad = torch.randn(rows, n_cols, device=device, dtype=dtype)
 
             def step():
-                rms_norm(x, w)
-                torch.autograd.grad(y, (x, w), grad, retain_graph=True)
+                y = rms_norm(x, w)
+                return (y, *torch.autograd.grad(y, (x, w), grad))
             return step
 
         block_n = 1 << (n_cols - 1).bit_length()
@@ -130,6 +132,18 @@ def _shipped(kernel: str, key: str, device, dtype) -> dict:
     return dict(BLOCK=importlib.import_module("tritonlm.kernels.swiglu").BLOCK, num_warps=4)
 
 
+def _mismatch(got, expected, dtype) -> str | None:
+    """Why a candidate's outputs differ from the shipped launch's on the same inputs, or None when they agree."""
+    got = got if isinstance(got, (tuple, list)) else (got,)
+    expected = expected if isinstance(expected, (tuple, list)) else (expected,)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for i, (a, b) in enumerate(zip(got, expected)):
+        err = ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+        if not err <= tol:  # (NaN fails too)
+            return f"wrong result: output {i} differs from the shipped launch by {err:.2e} (relative to its max)"
+    return None
+
+
 def run_sweep(device, out: Path, smoke: bool = False, time_left=lambda: 1e9) -> dict:
     """Time every case's candidates; write ``out/tuned/<gpu>.json`` with the winners; return the report rows."""
     dtype = torch.float32 if smoke else torch.bfloat16
@@ -141,7 +155,7 @@ def run_sweep(device, out: Path, smoke: bool = False, time_left=lambda: 1e9) -> 
             continue
         shipped = _shipped(kernel, key.split()[0], device, dtype)
         candidates = [None] + (alternatives[:2] if smoke else alternatives)
-        timings = []
+        timings, reference = [], None
         for cand in candidates:
             if time_left() < 20:
                 break
@@ -149,7 +163,15 @@ def run_sweep(device, out: Path, smoke: bool = False, time_left=lambda: 1e9) -> 
             try:
                 ctx = tuned.override(kernel, **cand) if cand else contextlib.nullcontext()
                 with ctx:
+                    torch.manual_seed(0)  # every candidate runs on the same inputs
                     step = make_step()
+                    result = step()
+                    if cand is None:
+                        reference = result
+                    wrong = None if reference is None else _mismatch(result, reference, dtype)
+                    if wrong:  # a candidate may only win with the shipped launch's results
+                        rows.append({"kernel": kernel, "key": key, "config": label, "error": wrong})
+                        continue
                     ms = 1e3 * statistics.median(time_fn(step, device, warmup=1 if smoke else 3,
                                                          rounds=2 if smoke else 10))
             except Exception as e:  # out of resources at compile time, or a launch error

@@ -35,6 +35,7 @@ backward with Hopper TMA descriptor loads, run only when a tuned table (or the s
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -155,7 +156,7 @@ def _load_kv(k_tile, v_tile, keys, n_k, d_mask, MASKED: tl.constexpr, EVEN_D: tl
 def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
                key_start, key_end, n_k, shift, win_left, win_right, qk_scale,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
-               EVEN_D: tl.constexpr):
+               EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold key tiles ``[key_start, key_end)`` into the running (acc, m_i, l_i)."""
     # the tile's first row advances by BLOCK_N rows per step (64-bit, one row of pointers); rows within a tile are
     # loop-invariant 32-bit offsets: no 64-bit multiply per row and no 2-D pointer tensor held across steps
@@ -168,15 +169,15 @@ def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, o
                         keys, n_k, d_mask, MASKED, EVEN_D)
         # ---- scores in log2 units (the scale multiplies the fp32 scores: folding it into Q once measured worse in
         # the SASS report, sm_90 d 128: 197 -> 235 registers, as Q then feeds the wgmma from registers)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
             s = tl.where(_visible(offs_m, keys, n_k, shift, win_left, win_right, CAUSAL, WINDOW), s, float("-inf"))
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION=DOT_PRECISION)
     return acc, m_i, l_i
 
 
 @triton.jit
-def _online_softmax_step(acc, m_i, l_i, s, v):
+def _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION: tl.constexpr):
     """Fold one tile of scores ``s`` (log2 units) and its values into the running (acc, m_i, l_i); a row that has
     seen no key keeps m = -inf, so 0 is subtracted instead."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -184,7 +185,7 @@ def _online_softmax_step(acc, m_i, l_i, s, v):
     p = tl.math.exp2(s - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
@@ -196,6 +197,7 @@ def _fwd_kernel(
     n_heads, group, bh_start, n_q, n_k, d_head, qk_scale, win_left, win_right, split_size,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, SPLIT_KV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # EVEN_D: the head dim fills BLOCK_D, so whole K/V tiles load without a mask
     # SPLIT_KV (decoding): grid axis 0 is the key split, not the query tile; the one query tile holds every query
@@ -241,13 +243,13 @@ def _fwd_kernel(
     if WINDOW or SPLIT_KV:  # (without a left bound, or a split start, the masked head range is empty)
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
                                    key_lo, full_lo, n_k, shift, win_left, win_right, qk_scale,
-                                   MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D)
+                                   MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
                                full_lo, full_hi, n_k, shift, win_left, win_right, qk_scale,
-                               MASKED=False, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D)
+                               MASKED=False, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
                                full_hi, key_hi, n_k, shift, win_left, win_right, qk_scale,
-                               MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D)
+                               MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION)
 
     # ---- epilogue: normalise; rows without a visible key give 0 and L = -inf
     empty = l_i == 0.0
@@ -295,6 +297,7 @@ def _fwd_kernel_tma(
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
     n_batch, n_heads, n_kv_heads, group, n_q, n_k, d_head, qk_scale,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """The dense forward (no window, no packing) with Hopper tensor-memory-accelerator loads: each tile is one
     ``[1, 1, rows, BLOCK_D]`` box of a 4-D ``[batch, heads, seq, d]`` descriptor. The TMA unit zero-fills rows
@@ -319,11 +322,11 @@ def _fwd_kernel_tma(
     for start_n in range(full_lo, key_hi, BLOCK_N):
         k = _box(k_desc, b, h_kv, start_n, BLOCK_N, BLOCK_D)
         v = _box(v_desc, b, h_kv, start_n, BLOCK_N, BLOCK_D)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if start_n >= full_hi:
             keys = start_n + offs_n
             s = tl.where(_visible(offs_m, keys, n_k, shift, 0, 0, CAUSAL, False), s, float("-inf"))
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION=DOT_PRECISION)
     # ---- epilogue: rows without a visible key give 0 and L = -inf; the store clips rows past n_q
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -401,7 +404,7 @@ def _load_lse_log2(LSE_ROW, offs_m, n_q):
 def _bwd_dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW, offs_n, d_mask,
                    start_m, n_q, n_k, shift, win_left, win_right, qk_scale, dq_ptrs, stride_dqm,
                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
-                   ATOMIC_DQ: tl.constexpr):
+                   ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold the query tile at ``start_m`` into this key tile's dK, dV (and, with ``ATOMIC_DQ``, add its share of
     dQ = dS K into the fp32 dQ buffer with atomics: no separate dQ kernel, 5 matmuls per tile pair, not 7)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -412,18 +415,18 @@ def _bwd_dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW
     lse = _load_lse_log2(LSE_ROW, offs_m, n_q)
     delta = tl.load(DELTA_ROW + offs_m, mask=offs_m < n_q, other=0.0)
     # ---- recompute Pᵀ = exp(Sᵀ - L): [BLOCK_N keys, BLOCK_M queries]
-    s_t = tl.dot(k, tl.trans(q)) * qk_scale
+    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
     p_t = tl.math.exp2(s_t - lse[None, :])
     if MASKED:
         p_t = tl.where(tl.trans(_visible(offs_m, offs_n, n_k, shift, win_left, win_right, CAUSAL, WINDOW)), p_t, 0.0)
     # ---- dV += Pᵀ dO ; dPᵀ = V dOᵀ ; dSᵀ = Pᵀ (dPᵀ - D) ; dK += dSᵀ Q
-    dv += tl.dot(p_t.to(do.dtype), do)
-    dp_t = tl.dot(v, tl.trans(do))
+    dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
     ds_t = p_t * (dp_t - delta[None, :])
-    dk += tl.dot(ds_t.to(q.dtype), q)
+    dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
     if ATOMIC_DQ:
         # unscaled dS K: the launcher applies the softmax scale once when it converts the buffer
-        dq = tl.dot(tl.trans(ds_t).to(k.dtype), k)
+        dq = tl.dot(tl.trans(ds_t).to(k.dtype), k, input_precision=DOT_PRECISION)
         tl.atomic_add(dq_ptrs + offs_m[:, None].to(tl.int64) * stride_dqm, dq, mask=row_mask)
     return dk, dv
 
@@ -432,12 +435,12 @@ def _bwd_dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW
 def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW,
                     offs_n, d_mask, q_start, q_end, n_q, n_k, shift, win_left, win_right, qk_scale, dq_ptrs,
                     stride_dqm, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                    BLOCK_M: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+                    BLOCK_M: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold query tiles ``[q_start, q_end)`` of one query head into dK, dV."""
     for start_m in range(q_start, q_end, BLOCK_M):
         dk, dv = _bwd_dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW, offs_n,
                                 d_mask, start_m, n_q, n_k, shift, win_left, win_right, qk_scale, dq_ptrs, stride_dqm,
-                                MASKED=MASKED, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_M=BLOCK_M, ATOMIC_DQ=ATOMIC_DQ)
+                                MASKED=MASKED, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_M=BLOCK_M, ATOMIC_DQ=ATOMIC_DQ, DOT_PRECISION=DOT_PRECISION)
     return dk, dv
 
 
@@ -451,6 +454,7 @@ def _bwd_dkdv_kernel(
     n_kv_heads, group, bh_start, n_q, n_k, d_head, qk_scale, sm_scale, win_left, win_right,
     GQA: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # ATOMIC_DQ: DQ is an fp32 [b, h, n_q, d] buffer that every key tile adds its dS K share into
     # grid axis 1 walks (batch, kv head) pairs; the group's query heads are summed in a fixed order below
@@ -493,7 +497,7 @@ def _bwd_dkdv_kernel(
             dk, dv = _bwd_dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE + row_lse,
                                     DELTA + row_lse, offs_n, d_mask, start_m, n_q, n_k, shift, win_left, win_right,
                                     qk_scale, dq_ptrs, stride_dqm, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW,
-                                    BLOCK_M=BLOCK_M, ATOMIC_DQ=ATOMIC_DQ)
+                                    BLOCK_M=BLOCK_M, ATOMIC_DQ=ATOMIC_DQ, DOT_PRECISION=DOT_PRECISION)
     else:
         # ---- one query head: masked head range, unmasked middle, masked tail
         h = h_kv
@@ -505,16 +509,16 @@ def _bwd_dkdv_kernel(
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW,
                                  offs_n, d_mask, q_lo, full_lo, n_q, n_k, shift, win_left, win_right,
                                  qk_scale, dq_ptrs, stride_dqm, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW,
-                                 BLOCK_M=BLOCK_M, ATOMIC_DQ=ATOMIC_DQ)
+                                 BLOCK_M=BLOCK_M, ATOMIC_DQ=ATOMIC_DQ, DOT_PRECISION=DOT_PRECISION)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW,
                                  offs_n, d_mask, full_lo, full_hi, n_q, n_k, shift, win_left, win_right,
                                  qk_scale, dq_ptrs, stride_dqm, MASKED=False, CAUSAL=CAUSAL, WINDOW=WINDOW,
-                                 BLOCK_M=BLOCK_M, ATOMIC_DQ=ATOMIC_DQ)
+                                 BLOCK_M=BLOCK_M, ATOMIC_DQ=ATOMIC_DQ, DOT_PRECISION=DOT_PRECISION)
         if WINDOW:
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW,
                                      offs_n, d_mask, full_hi, q_hi, n_q, n_k, shift, win_left, win_right,
                                      qk_scale, dq_ptrs, stride_dqm, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW,
-                                     BLOCK_M=BLOCK_M, ATOMIC_DQ=ATOMIC_DQ)
+                                     BLOCK_M=BLOCK_M, ATOMIC_DQ=ATOMIC_DQ, DOT_PRECISION=DOT_PRECISION)
 
     # ---- store; S was scaled by sm_scale, so dK picks it up once here
     dk = dk * sm_scale
@@ -528,7 +532,7 @@ def _bwd_dkdv_kernel(
 def _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask,
                   k_start, k_end, n_k, shift, win_left, win_right, qk_scale,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
-                  EVEN_D: tl.constexpr):
+                  EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold key tiles ``[k_start, k_end)`` into dQ; padding keys load as zero and add nothing."""
     for start_n in range(k_start, k_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -536,13 +540,13 @@ def _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, o
         k, v = _load_kv(k_ptrs + offs_n[:, None].to(tl.int64) * stride_kn,
                         v_ptrs + offs_n[:, None].to(tl.int64) * stride_vn, offs_n, n_k, d_mask, MASKED, EVEN_D)
         # ---- P = exp(S - L), dP = dO Vᵀ, dS = P (dP - D), dQ += dS K
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         p = tl.math.exp2(s - lse[:, None])
         if MASKED:
             p = tl.where(_visible(offs_m, offs_n, n_k, shift, win_left, win_right, CAUSAL, WINDOW), p, 0.0)
-        dp = tl.dot(do, tl.trans(v))
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
     return dq
 
 
@@ -555,6 +559,7 @@ def _bwd_dq_kernel(
     n_heads, group, bh_start, n_q, n_k, d_head, qk_scale, sm_scale, win_left, win_right,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     b, h, q_start, n_q, k_start, n_k = _sequence(tl.program_id(1) + bh_start, n_heads, CU_Q, CU_K, n_q, n_k, VARLEN)
     start_m = _query_tile_start(tl.program_id(0), n_q, CAUSAL, BLOCK_M)
@@ -584,13 +589,13 @@ def _bwd_dq_kernel(
     if WINDOW:
         dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask,
                            key_lo, full_lo, n_k, shift, win_left, win_right, qk_scale, MASKED=True, CAUSAL=CAUSAL,
-                           WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D)
+                           WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask,
                        full_lo, full_hi, n_k, shift, win_left, win_right, qk_scale, MASKED=False, CAUSAL=CAUSAL,
-                       WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D)
+                       WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask,
                        full_hi, key_hi, n_k, shift, win_left, win_right, qk_scale, MASKED=True, CAUSAL=CAUSAL,
-                       WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D)
+                       WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION)
 
     dq = dq * sm_scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + rows_m * stride_dqm + offs_d[None, :],
@@ -605,6 +610,7 @@ def _bwd_dkdv_kernel_tma(
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lb, stride_lh,
     n_batch, n_heads, n_kv_heads, group, n_q, n_k, d_head, qk_scale, sm_scale,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """The dense dK/dV kernel with Hopper TMA descriptor loads (see :func:`_bwd_dkdv_kernel` for the math): one key
     tile per program, its group's query heads and tiles in one flattened loop. Rows past a tensor's end load as
@@ -640,12 +646,12 @@ def _bwd_dkdv_kernel_tma(
         lse = _load_lse_log2(LSE + row, offs_m, n_q)
         delta = tl.load(DELTA + row + offs_m, mask=offs_m < n_q, other=0.0)
         # ---- Pᵀ, then dV += Pᵀ dO ; dPᵀ = V dOᵀ ; dSᵀ = Pᵀ (dPᵀ - D) ; dK += dSᵀ Q
-        p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
+        p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse[None, :])
         if start_m < full_lo:  # the causal diagonal (non-causal: never)
             p_t = tl.where(tl.trans(_visible(offs_m, offs_n, n_k, shift, 0, 0, CAUSAL, False)), p_t, 0.0)
-        dv += tl.dot(p_t.to(do.dtype), do)
-        ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
-        dk += tl.dot(ds_t.to(q.dtype), q)
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+        ds_t = p_t * (tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION) - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
     dk_desc.store([b, h_kv, start_n, 0], tl.reshape((dk * sm_scale).to(DK.dtype.element_ty), (1, 1, BLOCK_N, BLOCK_D)))
     dv_desc.store([b, h_kv, start_n, 0], tl.reshape(dv.to(DV.dtype.element_ty), (1, 1, BLOCK_N, BLOCK_D)))
 
@@ -658,6 +664,7 @@ def _bwd_dq_kernel_tma(
     stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh,
     n_batch, n_heads, n_kv_heads, group, n_q, n_k, d_head, qk_scale, sm_scale,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """The dense dQ kernel with TMA descriptor loads (see :func:`_bwd_dq_kernel`): key tiles past the tensor load
     as zeros and add nothing to dQ; the causal diagonal and the ragged last key tile are masked."""
@@ -681,12 +688,12 @@ def _bwd_dq_kernel_tma(
     for start_n in range(full_lo, key_hi, BLOCK_N):  # (no left bound: nothing before full_lo)
         k = _box(k_desc, b, h_kv, start_n, BLOCK_N, BLOCK_D)
         v = _box(v_desc, b, h_kv, start_n, BLOCK_N, BLOCK_D)
-        p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+        p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse[:, None])
         if start_n >= full_hi:
             keys = start_n + tl.arange(0, BLOCK_N)
             p = tl.where(_visible(offs_m, keys, n_k, shift, 0, 0, CAUSAL, False), p, 0.0)
-        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
     dq_desc.store([b, h, start_m, 0], tl.reshape((dq * sm_scale).to(DQ.dtype.element_ty), (1, 1, BLOCK_M, BLOCK_D)))
 
 
@@ -698,6 +705,10 @@ def _bwd_dq_kernel_tma(
 #: fit sm_80's registers; d = 256 halves the tiles to stay spill-free. fp32 inputs halve BLOCK_N.
 FWD_CONFIGS = {16: (128, 64, 4, 3), 32: (128, 64, 4, 3), 64: (128, 64, 4, 3), 128: (128, 64, 8, 3),
                256: (64, 32, 8, 2)}
+#: fp32 under torch's "highest" matmul precision (IEEE dots, FMA units): measured spill-free at d <= 64 with
+#: 64x16 tiles (sm_90 222 registers, sm_80 128). At d 128 every tile tried spills on sm_90 (16x32: 184 B, the
+#: least; 32x32: 408 B; 64x32: 7 KB) and none on sm_80 -- "high" (TF32) is the fast fp32 setting there.
+IEEE_FWD_CONFIGS = {16: (64, 16, 4, 2), 32: (64, 16, 4, 2), 64: (64, 16, 4, 2), 128: (16, 32, 4, 2)}
 #: (BLOCK_M, BLOCK_N, num_warps, num_stages) for both backward kernels: the dK/dV kernel holds
 #: K, V, dK, dV for BLOCK_N keys, the dQ kernel Q, dO, dQ for BLOCK_M queries.
 #: Evidence (profiles/sass/REPORT.md, bf16, seq 4096): d 64 -> fwd 231 regs sm_90 (HGMMA) / 255 sm_80 (HMMA),
@@ -742,9 +753,22 @@ def _tma_ready(*views: torch.Tensor) -> bool:
                and all((st * t.element_size()) % 16 == 0 for st in t.stride()[:-1]) for t in views)
 
 
+_TMA_ALLOCATOR_SET = False
+
+
+def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    # the kernel runs on the current CUDA device (CPU under the interpreter, which emulates descriptors)
+    on_cuda = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    return torch.empty(size, dtype=torch.int8, device="cuda" if on_cuda else "cpu")
+
+
 def _set_tma_allocator(device: torch.device) -> None:
-    """Descriptors made inside a kernel need a little global scratch memory, allocated through Triton's hook."""
-    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+    """Descriptors made inside a kernel need a little global scratch memory, allocated through Triton's hook:
+    registered once per process, not on every launch."""
+    global _TMA_ALLOCATOR_SET
+    if not _TMA_ALLOCATOR_SET:
+        triton.set_allocator(_tma_scratch)
+        _TMA_ALLOCATOR_SET = True
 
 
 def _fwd_config(d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
@@ -752,6 +776,9 @@ def _fwd_config(d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, 
         return _tuned("attention_fwd", d, dtype, device, INTERPRETER_CONFIG)
     block_m, block_n, warps, stages = FWD_CONFIGS[_block_d(d)]
     if dtype == torch.float32:
+        if _dot_precision(dtype)["DOT_PRECISION"] == "ieee":
+            # IEEE fp32 dots run on FMA units, not tensor cores: smaller tiles (SASS report rows)
+            return _tuned("attention_fwd", d, dtype, device, IEEE_FWD_CONFIGS.get(_block_d(d), (16, 32, 4, 2)))
         block_n = max(16, block_n // 2)
     return _tuned("attention_fwd", d, dtype, device, (block_m, block_n, warps, stages))
 
@@ -800,11 +827,13 @@ def _window(is_causal: bool, window: tuple[int, int], n_q: int, n_k: int) -> tup
 
 
 def _dot_precision(dtype: torch.dtype) -> dict:
-    """Launch option for fp32 inputs: PyTorch's fp32 matmul precision decides, as it does for its own matmuls
-    ("highest", the default: IEEE fp32 dots; "high"/"medium": TF32 tensor cores). 16-bit inputs: no option."""
+    """The ``DOT_PRECISION`` constexpr every ``tl.dot`` takes as ``input_precision`` (the compile option
+    ``default_dot_input_precision`` does not reach ``tl.dot``: measured, fp32 dots compiled with it "ieee" were
+    still TF32 on sm_80/sm_90). For fp32 inputs PyTorch's fp32 matmul precision decides, as for its own matmuls
+    ("highest", the default: IEEE fp32; "high"/"medium": TF32 tensor cores); 16-bit dots ignore it."""
     if dtype != torch.float32:
-        return {}
-    return {"default_dot_input_precision": "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"}
+        return {"DOT_PRECISION": "tf32"}
+    return {"DOT_PRECISION": "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"}
 
 
 def _has_window(is_causal: bool, window) -> bool:
@@ -880,16 +909,15 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
                                         n_q, d, BLOCK_M=block_m, BLOCK_D=_block_d(d), num_warps=4)
         return o, lse
     block_m, block_n, warps, stages = _fwd_config(d, q.dtype, q.device)
-    if not packed and not common["WINDOW"] and _tma_selected(d, q.dtype, q.device) and _tma_ready(q4, k4, v4, o4):
-        # ---- Hopper TMA variant (chosen only by a tuned table / the sweep): dense attention, descriptor loads
+    if (not packed and not common["WINDOW"] and _tma_selected(d, q.dtype, q.device) and b * h <= MAX_GRID_AXIS1
+            and _tma_ready(q4, k4, v4, o4)):
+        # ---- Hopper TMA variant (chosen only by a tuned table / the sweep): dense attention, descriptor loads;
+        # descriptors index whole tensors, so it runs as one launch (more batch x heads keep the default kernel)
         _set_tma_allocator(q.device)
-        for bh_start, n_bh in grid_axis1_launches(b * h):
-            if bh_start:  # (descriptors index whole tensors: more than 65535 batch x heads keep the default kernel)
-                raise NotImplementedError("TMA attention: batch x heads beyond one launch")
-            _fwd_kernel_tma[(triton.cdiv(n_q, block_m), n_bh)](
-                q4, k4, v4, o4, lse, *_strides3(q4), *_strides3(k4), *_strides3(v4), *_strides3(o4), *lse_strides,
-                b, h, k4.shape[1], group, n_q, n_k, d, softmax_scale * LOG2E, CAUSAL=is_causal, BLOCK_M=block_m,
-                BLOCK_N=block_n, BLOCK_D=_block_d(d), num_warps=warps, num_stages=stages, **_dot_precision(q.dtype))
+        _fwd_kernel_tma[(triton.cdiv(n_q, block_m), b * h)](
+            q4, k4, v4, o4, lse, *_strides3(q4), *_strides3(k4), *_strides3(v4), *_strides3(o4), *lse_strides,
+            b, h, k4.shape[1], group, n_q, n_k, d, softmax_scale * LOG2E, CAUSAL=is_causal, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_D=_block_d(d), num_warps=warps, num_stages=stages, **_dot_precision(q.dtype))
         return o, lse
     if (packed or common["WINDOW"]) and on_gpu(q.device) and gpu_capability(q.device) < 90 and d > 64:
         # sm_80 at d 128: the packed / windowed forward's extra range bookkeeping spills with 64-key tiles

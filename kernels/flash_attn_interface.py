@@ -6,7 +6,11 @@ starting at 0). Both follow flash-attn's semantics: k and v may have fewer heads
 masks align to the bottom-right corner (query ``i`` of ``n_q`` sees key ``j`` of ``n_k`` when
 ``j <= i + n_k - n_q``), ``window_size=(left, right)`` keeps keys ``j`` in ``[i + n_k - n_q - left,
 i + n_k - n_q + right]`` with -1 meaning unbounded, and the default scale is ``1 / sqrt(d)``. They are
-differentiable (the Triton backward), and deterministic whatever ``deterministic`` says. What is not built —
+differentiable (the Triton backward); ``deterministic`` keeps flash-attn's meaning: False (its default) runs the
+backward that adds dQ with fp32 atomics inside the dK/dV kernel (fewer matmuls, summation order varies by run),
+True the two-kernel backward whose every gradient is bitwise reproducible. ``flash_attn_varlen_func`` launches
+without a host sync, trusting ``max_seqlen_q/k`` as flash-attn does; ``cu_seqlens`` values are checked only
+where reading them is free (CPU tensors). What is not built —
 dropout, ALiBi, softcapping, returning attention probabilities, paged KV (``block_table``) — is a one-line
 error naming the argument, never silently ignored. The kernels never visit a key tile outside a query's
 sequence or window.
@@ -69,27 +73,37 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     window = _check_window(op, window_size)
     # [batch, seq, heads, d] -> [batch, heads, seq, d] views: the kernel takes any strides, nothing is copied
     out = FlashAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bool(causal), softmax_scale,
-                               window)
+                               window, None, None, 0, 0, bool(deterministic))
     return out.transpose(1, 2)
 
 
-def _check_cu_seqlens(op: str, name: str, cu: torch.Tensor, total: int, max_seqlen: int, device) -> list[int]:
+def _check_cu_seqlens(op: str, name: str, cu: torch.Tensor, total: int, max_seqlen, device) -> int:
+    """Shape, dtype and device of ``cu`` (no host sync); its values too where they live on the CPU. Returns the
+    number of sequences."""
     if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
         raise TypeError(f"{op}: {name} must be a 1-D int32 tensor of cumulative lengths, got "
                         f"{getattr(cu, 'dtype', type(cu).__name__)} {tuple(getattr(cu, 'shape', ()))}")
     if cu.device != device:
         raise ValueError(f"{op}: {name} is on {cu.device} but the inputs are on {device}")
-    values = cu.tolist()  # one host sync: the offsets decide which programs do work
-    if values[0] != 0:
-        raise ValueError(f"{op}: {name} must start at 0, got {values[0]}")
-    lengths = [b - a for a, b in zip(values, values[1:])]
-    if any(n < 0 for n in lengths):
-        raise ValueError(f"{op}: {name} must be non-decreasing, got {values}")
-    if values[-1] != total:
-        raise ValueError(f"{op}: {name} ends at {values[-1]} but there are {total} tokens")
-    if lengths and max(lengths) > int(max_seqlen):
-        raise ValueError(f"{op}: a sequence has {max(lengths)} tokens, more than max_seqlen={max_seqlen}")
-    return lengths
+    if isinstance(max_seqlen, torch.Tensor) or int(max_seqlen) < 0:
+        raise TypeError(f"{op}: max_seqlen for {name} must be a non-negative Python int, got {max_seqlen!r}")
+    if _values_readable(cu):
+        values = cu.tolist()
+        if values[0] != 0:
+            raise ValueError(f"{op}: {name} must start at 0, got {values[0]}")
+        lengths = [b - a for a, b in zip(values, values[1:])]
+        if any(n < 0 for n in lengths):
+            raise ValueError(f"{op}: {name} must be non-decreasing, got {values}")
+        if values[-1] != total:
+            raise ValueError(f"{op}: {name} ends at {values[-1]} but there are {total} tokens")
+        if lengths and max(lengths) > int(max_seqlen):
+            raise ValueError(f"{op}: a sequence has {max(lengths)} tokens, more than max_seqlen={max_seqlen}")
+    return cu.numel() - 1
+
+
+def _values_readable(t: torch.Tensor) -> bool:
+    """Reading a tensor's values costs no device sync: it is on the CPU."""
+    return t.device.type == "cpu"
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -109,7 +123,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     window = _check_window(op, window_size)
     n_q = _check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, q.device)
     n_k = _check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, q.device)
-    if len(n_q) != len(n_k):
-        raise ValueError(f"{op}: cu_seqlens_q describes {len(n_q)} sequences but cu_seqlens_k {len(n_k)}")
+    if n_q != n_k:
+        raise ValueError(f"{op}: cu_seqlens_q describes {n_q} sequences but cu_seqlens_k {n_k}")
     return FlashAttention.apply(q, k, v, bool(causal), softmax_scale, window, cu_seqlens_q, cu_seqlens_k,
-                                max(n_q, default=0), max(n_k, default=0))
+                                int(max_seqlen_q), int(max_seqlen_k), bool(deterministic))

@@ -209,7 +209,8 @@ def test_gqa_head_split_views_and_bad_head_counts():
 
 def test_fp32_attention_follows_torch_matmul_precision(monkeypatch):
     """fp32 attention dots are IEEE under PyTorch's default ("highest") and TF32 only where PyTorch allows it
-    ("high"); 16-bit inputs pass no option. Checked on the launch options the kernels receive."""
+    ("high"): the DOT_PRECISION constexpr every tl.dot takes as input_precision (16-bit dots ignore it; they
+    get the default "tf32"). Checked on the launch arguments the kernels receive."""
     import importlib
 
     fa = importlib.import_module("tritonlm.kernels.flash_attention")
@@ -217,7 +218,7 @@ def test_fp32_attention_follows_torch_matmul_precision(monkeypatch):
     for kernel in (fa._fwd_kernel, fa._bwd_dkdv_kernel, fa._bwd_dq_kernel):
         original = kernel.run
         monkeypatch.setattr(kernel, "run", lambda *a, _o=original, **k: seen.append(
-            k.get("default_dot_input_precision")) or _o(*a, **k))
+            k.get("DOT_PRECISION")) or _o(*a, **k))
     q = torch.randn(1, 2, 7, 16, requires_grad=True)
     for precision, expected in (("highest", "ieee"), ("high", "tf32")):
         monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda p=precision: p)
@@ -226,4 +227,18 @@ def test_fp32_attention_follows_torch_matmul_precision(monkeypatch):
         assert seen == [expected] * 3
     seen.clear()
     FlashAttention.apply(q.detach().half(), q.detach().half(), q.detach().half(), True)
-    assert seen == [None]
+    assert seen == ["tf32"]
+
+
+def test_every_dot_takes_the_precision_constexpr():
+    """Each tl.dot in the attention kernels passes input_precision=DOT_PRECISION (a compile option does not reach
+    tl.dot): read from the kernel source, so a new dot without it fails here."""
+    import importlib
+    import inspect
+    import re
+
+    fa = importlib.import_module("tritonlm.kernels.flash_attention")
+    source = inspect.getsource(fa)
+    dots = re.findall(r"tl\.dot\(", source)
+    with_precision = re.findall(r"tl\.dot\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*input_precision=DOT_PRECISION\)", source)
+    assert len(dots) >= 10 and len(with_precision) == len(dots)

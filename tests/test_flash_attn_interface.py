@@ -227,3 +227,57 @@ def test_bad_shapes_and_heads():
     cu = torch.tensor([0, 4], dtype=torch.int32)
     with pytest.raises(ValueError, match="tokens"):
         flash_attn_varlen_func(torch.randn(4, 2, 8), torch.randn(5, 2, 8), torch.randn(4, 2, 8), cu, cu, 4, 4)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_selects_the_backward(deterministic, monkeypatch):
+    """flash-attn's meaning: deterministic=False (its default) adds dQ with atomics inside the dK/dV kernel and
+    runs no dQ kernel; True runs the two-kernel backward. Both against fp64 SDPA, packed and batched."""
+    launched = []
+    for name in ("_bwd_dkdv_kernel", "_bwd_dq_kernel"):
+        kernel = getattr(fa_module, name)
+        real = kernel.run
+        monkeypatch.setattr(kernel, "run", lambda *a, _n=name, _r=real, **k: launched.append(
+            (_n, k.get("ATOMIC_DQ"))) or _r(*a, **k))
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 21, 4, 16, generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, 21, 2, 16, generator=gen, requires_grad=True) for _ in range(2))
+    out = flash_attn_func(q, k, v, causal=True, deterministic=deterministic)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    expected = [("_bwd_dkdv_kernel", not deterministic)] + ([("_bwd_dq_kernel", None)] if deterministic else [])
+    assert launched == expected
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = _sdpa_bshd(q64, k64, v64, True, (-1, -1))
+    _compare(out, ref, grads, torch.autograd.grad(ref, (q64, k64, v64), do.double()), torch.float32)
+    launched.clear()
+    lengths = [7, 1, 12]
+    pq, pk, pv, cu, _ = _packed(lengths, lengths, 4, 2, 16, torch.float32)
+    packed = flash_attn_varlen_func(pq, pk, pv, cu, cu, 12, 12, causal=True, deterministic=deterministic)
+    torch.autograd.grad(packed, (pq, pk, pv), torch.randn_like(packed))
+    assert launched == expected
+
+
+def test_varlen_launches_without_a_host_sync(monkeypatch):
+    """With max_seqlen_q/k given (flash-attn's contract), forward and backward never read a tensor's values on
+    the host when they live on a device: every host read is counted (the CPU tensors here stand in for device
+    ones, so the free CPU-side value check is off)."""
+    import tritonlm.kernels.flash_attn_interface as interface
+
+    lengths = [5, 9, 2]
+    q, k, v, cu_q, cu_k = _packed(lengths, lengths, 4, 2, 16, torch.float32)
+    monkeypatch.setattr(interface, "_values_readable", lambda t: False)
+    reads = []
+    for method in ("tolist", "item", "__int__", "__bool__", "__float__", "__index__", "numpy", "cpu"):
+        real = getattr(torch.Tensor, method)
+        monkeypatch.setattr(torch.Tensor, method, lambda self, *a, _m=method, _r=real, **kw: reads.append(
+            (_m, tuple(self.shape))) or _r(self, *a, **kw))
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 9, causal=True)
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    monkeypatch.undo()
+    assert reads == []
+    q64, k64, v64 = (t.detach().double() for t in (q, k, v))
+    pieces = [_sdpa_bshd(q64[None, a:b], k64[None, a:b], v64[None, a:b], True, (-1, -1))[0]
+              for a, b in zip(cu_q.tolist(), cu_q.tolist()[1:])]
+    torch.testing.assert_close(out.double(), torch.cat(pieces), atol=1e-4, rtol=1e-4)
+    assert all(g.isfinite().all() for g in grads)

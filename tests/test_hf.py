@@ -203,12 +203,18 @@ def test_apply_kernels_matches_unpatched(dtype, monkeypatch):
 
     base = _llama(dtype=dtype, seed=8)
     patched = hf.apply_kernels(copy.deepcopy(base))
-    calls = {"attention": 0}
-    real_attention = patch.tritonlm_attention
+    calls = {"attention": 0, "rope": 0}
+    real_attention, real_rope = patch.tritonlm_attention, patch._rope_half_split
 
     def counting(*args, **kwargs):
         calls["attention"] += 1
         return real_attention(*args, **kwargs)
+
+    def counting_rope(*args, **kwargs):
+        calls["rope"] += 1
+        return real_rope(*args, **kwargs)
+
+    monkeypatch.setattr(patch, "_rope_half_split", counting_rope)  # the RoPE kernel, not HF's formula, runs
 
     from transformers import AttentionInterface
 
@@ -228,7 +234,7 @@ def test_apply_kernels_matches_unpatched(dtype, monkeypatch):
         mask = torch.ones_like(ids)
         mask[1, :3] = 0
         got_pad, expected_pad = patched(ids, attention_mask=mask).logits, base(ids, attention_mask=mask).logits
-    assert calls["attention"] == 4  # two layers, two forwards
+    assert calls["attention"] == 4 and calls["rope"] == 4  # two layers, two forwards
     tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.05, rtol=0.05)
     torch.testing.assert_close(got.float(), expected.float(), **tol)
     valid = mask.bool()
@@ -399,7 +405,10 @@ def _flattened(lengths, flash_kwargs=False, seed=20):
     return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def _compare_with_sdpa(base, batch, valid=None, tol=dict(atol=3e-5, rtol=1e-4)):
+SDPA_TOL = dict(atol=3e-5, rtol=1e-4)
+
+
+def _compare_with_sdpa(base, batch, valid=None, tol=SDPA_TOL):
     """Logits (eval, no cache), then loss and every gradient with gradient checkpointing on, patched vs
     unpatched sdpa; ``valid`` picks the logit positions HF's output means something at (real tokens)."""
     from tritonlm import hf

@@ -79,6 +79,18 @@ def test_attention_uses_tensor_cores(rows):
             assert r["sass"].get("HMMA", 0) + r["sass"].get("HGMMA", 0) > 0, r
 
 
+def test_fp32_ieee_attention_has_no_tf32_mma(rows):
+    """fp32 attention under torch's default "highest" precision is IEEE fp32: no TF32 tensor-core MMA
+    (``HMMA...TF32`` / ``HGMMA...TF32``) in its SASS; under "high" the same kernel does use TF32, which shows
+    the count can see them."""
+    fp32 = [r for r in rows if "float32" in r["case"] and r["kernel"].startswith("attention.")]
+    ieee = [r for r in fp32 if "dot=ieee" in r["config"]]
+    tf32 = [r for r in fp32 if "dot=tf32" in r["config"]]
+    assert ieee and tf32 and {r["arch"] for r in ieee} == {"sm_90", "sm_80"}
+    assert [(r["case"], r["arch"], r["sass"]) for r in ieee if r["sass"].get("TF32")] == []
+    assert all(r["sass"].get("TF32", 0) > 0 for r in tf32)
+
+
 def test_rows_carry_roofline_estimates(rows):
     for r in rows:
         assert r["bytes_moved"] > 0

@@ -348,16 +348,27 @@ def test_linear_cross_entropy_refuses_a_second_backward_through_one_graph():
         loss.backward()
 
 
-def test_model_loss_checks_targets_unless_the_data_was_validated():
+def test_model_loss_checks_targets_unless_the_data_was_validated(monkeypatch):
+    import importlib
+
     from tritonlm import ModelConfig, TransformerLM
 
+    lce = importlib.import_module("tritonlm.kernels.linear_cross_entropy")
+    checks = []
+    real = lce._check_targets
+    monkeypatch.setattr(lce, "_check_targets", lambda *a, **k: checks.append(a[0]) or real(*a, **k))
     cfg = ModelConfig.preset("tiny", vocab_size=50, context_length=16, num_layers=1)
     model = TransformerLM(**cfg.model_kwargs(), backend="triton")
     ids = torch.randint(0, 50, (1, 9))
     with pytest.raises(ValueError, match="target 50 is outside"):
         model.loss(ids, torch.full((1, 9), 50))
+    assert checks == ["linear_cross_entropy"]
     model.token_embeddings.check_ids = False  # what the trainer does after checking its token file once
     checked = TransformerLM(**cfg.model_kwargs(), backend="triton")
     checked.load_state_dict(model.state_dict())
     targets = torch.randint(0, 50, (1, 9))
-    torch.testing.assert_close(model.loss(ids, targets), checked.loss(ids, targets))
+    checks.clear()
+    unchecked_loss = model.loss(ids, targets)
+    assert checks == []  # no range check (its host sync) once the data was validated
+    torch.testing.assert_close(unchecked_loss, checked.loss(ids, targets))
+    assert checks == ["linear_cross_entropy"]

@@ -274,6 +274,35 @@ def test_tma_attention_vs_fp64(dtype, heads, kv_heads, n_q, n_k, d, is_causal):
     assert not FA._tma_selected(d, dtype, q.device)  # never without a table entry
 
 
+@cpu_only
+def test_tma_forward_checks_its_grid_before_launching(monkeypatch):
+    """More batch x heads than one launch holds: the TMA forward is not started (the default kernel runs, in
+    several launches) instead of failing after a first launch; Triton's scratch allocator is set once, not per
+    launch."""
+    import triton
+
+    common = importlib.import_module("tritonlm.kernels._common")
+    monkeypatch.setattr(FA, "MAX_GRID_AXIS1", 2)  # so 2 x 3 heads need several launches
+    monkeypatch.setattr(common, "MAX_GRID_AXIS1", 2)
+    launches, allocators = [], []
+    for name in ("_fwd_kernel_tma", "_fwd_kernel"):
+        kernel = getattr(FA, name)
+        monkeypatch.setattr(kernel, "run", lambda *a, _n=name, _r=kernel.run, **k: launches.append(_n) or _r(*a, **k))
+    real_set = triton.set_allocator
+    monkeypatch.setattr(triton, "set_allocator", lambda fn: allocators.append(fn) or real_set(fn))
+    monkeypatch.setattr(FA, "_TMA_ALLOCATOR_SET", False)
+    q, k, v = _qkv(2, 3, 3, 20, 20, 16, torch.float32)
+    with tuned.override("attention_fwd", TMA=1):
+        _compare(q, k, v, True, torch.float32)
+        assert "_fwd_kernel_tma" not in launches and launches.count("_fwd_kernel") >= 3
+        launches.clear()
+        monkeypatch.setattr(FA, "MAX_GRID_AXIS1", 65535)
+        monkeypatch.setattr(common, "MAX_GRID_AXIS1", 65535)
+        for _ in range(2):
+            FA.flash_attention_forward(q, k, v, True, 0.25)
+    assert launches == ["_fwd_kernel_tma"] * 2 and len(allocators) == 1
+
+
 # ----------------------------------------------------------------------------------------------------
 # the GPU suite's sweep, smoke-run on CPU: every path, and a table the launchers accept
 # ----------------------------------------------------------------------------------------------------
@@ -284,10 +313,39 @@ def test_sweep_smoke_writes_a_valid_table(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
     sweep = importlib.import_module("sweep")
     result = sweep.run_sweep(torch.device("cpu"), tmp_path, smoke=True)
-    rows = [r for r in result["rows"] if "error" not in r]
+    assert [r for r in result["rows"] if "error" in r] == []  # every candidate ran, with the shipped results
+    rows = result["rows"]
     assert {r["kernel"] for r in rows} == set(tuned.FIELDS)  # every tunable kernel was timed
     assert any(r["key"].endswith("atomic-dQ") for r in rows)  # the variant is reported ...
     assert any('"TMA":1' in r["config"] for r in rows)  # ... and so is the TMA forward
     table = json.loads(Path(result["table"]).read_text())
     entries = tuned.validate(table, result["table"])  # what the launchers would read
     assert all(" " not in key for per_kernel in entries.values() for key in per_kernel)  # variants never written
+
+
+@cpu_only
+def test_sweep_refuses_a_candidate_with_other_results(tmp_path, monkeypatch):
+    """A faster candidate whose outputs differ from the shipped launch's is an error row and never enters the
+    table."""
+    import contextlib
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    sweep = importlib.import_module("sweep")
+    active = []
+
+    @contextlib.contextmanager
+    def override(kernel, **cfg):
+        active.append(cfg)
+        yield
+        active.pop()
+
+    def make_step():
+        x = torch.randn(8, 8)
+        return lambda: x * (2.0 if active else 1.0)  # the candidate computes something else
+
+    monkeypatch.setattr(sweep.tuned, "override", override)
+    monkeypatch.setattr(sweep, "_cases", lambda device, smoke: [("swiglu", "fp32", make_step, [dict(BLOCK=512)])])
+    result = sweep.run_sweep(torch.device("cpu"), tmp_path, smoke=True)
+    errors = [r for r in result["rows"] if "error" in r]
+    assert len(errors) == 1 and "wrong result" in errors[0]["error"] and result["entries"] == 0

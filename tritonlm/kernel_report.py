@@ -41,7 +41,7 @@ class Launch:
     num_stages: int
     bytes_moved: int = 0
     flops: int = 0
-    dot_precision: str | None = None  # the launch's default_dot_input_precision option, if it set one
+    dot_precision: str | None = None  # fp32 attention: the DOT_PRECISION ("ieee" / "tf32") its tl.dots take
 
 
 @dataclass
@@ -111,7 +111,9 @@ def _to_launch(kernel_label: str, case: str, call, flops: int = 0) -> Launch:
     kwargs = dict(kwargs)
     warps = kwargs.pop("num_warps", 4)
     stages = kwargs.pop("num_stages", 3)
-    precision = kwargs.pop("default_dot_input_precision", None)
+    # (16-bit dots ignore the precision: shown for fp32 launches only)
+    fp32 = bool(args) and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float32
+    precision = kwargs.get("DOT_PRECISION") if fp32 else None
     # each tensor once: a launcher may pass one tensor for two pointers (an unused optional input)
     moved = sum(_nbytes(a) for a in {id(a): a for a in args if isinstance(a, torch.Tensor)}.values())
     return Launch(kernel_label, case, fn, tuple(args), kwargs, warps, stages, moved, flops, precision)
@@ -207,6 +209,19 @@ def representative_launches(quick: bool = False, arch: str = "sm_90") -> list[La
                                                                               deterministic=False))
             out.append(_to_launch("attention.bwd_dkdv_atomic_dq", case, calls[1],
                                   flops=10 * b * h * causal_pairs * d))
+    if quick:
+        # fp32 attention forward at both precisions PyTorch's fp32 matmul setting selects: IEEE (no TF32 MMA may
+        # appear in its SASS) and TF32 (where they must: the check can see them)
+        q32 = torch.empty(1, 16, 4096, 64, dtype=torch.float32, device=meta)
+        previous = torch.get_float32_matmul_precision()
+        for setting in ("highest", "high"):
+            torch.set_float32_matmul_precision(setting)
+            try:
+                calls = calls_of(lambda: fa.flash_attention_forward(q32, q32, q32, True, 0.1))
+            finally:
+                torch.set_float32_matmul_precision(previous)
+            out.append(_to_launch("attention.fwd", f"1x16x4096x64 causal float32 ({setting})", calls[0],
+                                  flops=4 * 16 * (4096 * 4097 // 2) * 64))
     # attention variants, bf16 d 128: GQA 32 q heads on 8 kv heads (4K), packed documents (8 x 1K in 8K
     # tokens), a 1K sliding window, and split-KV decoding of 1 query against a 32K cache (batch 4)
     dtype, d = torch.bfloat16, 128
@@ -295,6 +310,8 @@ def _sass_counts(sass: str) -> dict:
         base = op.split(".")[0]
         if base in ("HGMMA", "HMMA", "LDGSTS", "UTMALDG", "UBLKCP", "LDL", "STL", "LDS", "STS"):
             counts[base] += 1
+            if base in ("HGMMA", "HMMA") and "TF32" in op.split("."):
+                counts["TF32"] += 1  # tensor-core MMAs on TF32 operands (10-bit mantissas): never on IEEE rows
         elif base in ("LDG", "STG"):
             parts = op.split(".")
             width = "32"
@@ -310,8 +327,7 @@ def _sass_counts(sass: str) -> dict:
 
 
 @functools.cache
-def _compile_cached(fn, sig_items, const_items, attr_items, arch: int, num_warps: int, num_stages: int,
-                    dot_precision: str | None = None):
+def _compile_cached(fn, sig_items, const_items, attr_items, arch: int, num_warps: int, num_stages: int):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -319,8 +335,7 @@ def _compile_cached(fn, sig_items, const_items, attr_items, arch: int, num_warps
     src = ASTSource(fn=fn, signature=dict(sig_items), constexprs=dict(const_items),
                     attrs={k: [list(x) for x in v] for k, v in attr_items})
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages,
-                                       **({"default_dot_input_precision": dot_precision} if dot_precision else {})})
+                              options={"num_warps": num_warps, "num_stages": num_stages})
     cubin = compiled.asm["cubin"]
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
@@ -351,7 +366,7 @@ def ctas_per_sm(arch: int, registers: int, num_warps: int, smem_bytes: int) -> i
 
 def analyze(launch: Launch, arch: str) -> Row:
     """Compile one captured launch for ``arch`` (``sm_90``/``sm_80``) and summarise its cubin."""
-    cfg = ", ".join(f"{k}={v}" for k, v in launch.constexprs.items() if k.isupper())
+    cfg = ", ".join(f"{k}={v}" for k, v in launch.constexprs.items() if k.isupper() and k != "DOT_PRECISION")
     cfg = f"{cfg}, warps={launch.num_warps}, stages={launch.num_stages}" + (
         f", dot={launch.dot_precision}" if launch.dot_precision else "")
     roof = {gpu: round(max(launch.bytes_moved / bw, launch.flops / peak) * 1e6, 2)
@@ -363,7 +378,7 @@ def analyze(launch: Launch, arch: str) -> Row:
     try:
         usage, sass, dynamic_smem = _compile_cached(fn, tuple(sig.items()), tuple(const.items()),
                                       tuple((k, tuple(tuple(x) for x in v)) for k, v in attrs.items()),
-                                      ARCHS[arch], launch.num_warps, launch.num_stages, launch.dot_precision)
+                                      ARCHS[arch], launch.num_warps, launch.num_stages)
     except Exception as e:  # a kernel that does not compile is a row with its error, and a failed test
         row.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
         return row
@@ -407,7 +422,7 @@ def format_markdown(rows: list[Row], title: str = "Kernel SASS report") -> str:
             lines.append(f"| {r.kernel} | {r.case} | {r.arch} | {r.config} | **compile error**: {r.error} "
                          "| | | | | | | | | |")
             continue
-        tc = ", ".join(f"{k} {v}" for k, v in r.sass.items() if k in ("HGMMA", "HMMA")) or "-"
+        tc = ", ".join(f"{k} {v}" for k, v in r.sass.items() if k in ("HGMMA", "HMMA", "TF32")) or "-"
         ld = ", ".join(f"{k.split('.')[1]}b×{v}" for k, v in r.sass.items() if k.startswith("LDG.")) or "-"
         st = ", ".join(f"{k.split('.')[1]}b×{v}" for k, v in r.sass.items() if k.startswith("STG.")) or "-"
         asy = ", ".join(f"{k} {v}" for k, v in r.sass.items() if k in ("LDGSTS", "UTMALDG", "UBLKCP")) or "-"
