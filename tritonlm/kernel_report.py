@@ -304,7 +304,8 @@ def _specialise(launch: Launch):
 
 
 def _sass_counts(sass: str) -> dict:
-    ops = re.findall(r"^\s+/\*[0-9a-f]{4,5}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]+)", sass, re.M)
+    # (opcode and its modifiers: wgmma shapes are lower-case, "HGMMA.64x32x8.F32.TF32")
+    ops = re.findall(r"^\s+/\*[0-9a-f]{4,5}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Za-z0-9_.]+)", sass, re.M)
     counts: Counter = Counter()
     for op in ops:
         base = op.split(".")[0]
