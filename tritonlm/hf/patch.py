@@ -177,19 +177,37 @@ def _packing(segments: torch.Tensor, n_q: int):
     return result
 
 
-def _segments_of(dense: torch.Tensor, window) -> torch.Tensor | None:
-    """``dense[b, 1, n, n]`` (a boolean mask without a cache) -> its ``[b, n]`` int32 document ids when it is
-    exactly causal attention within contiguous documents (and ``window``), else None. A new document starts where
-    a query cannot see the key just before it; the whole mask is then compared with the one those ids describe."""
-    mask = dense[:, 0]
-    n = mask.shape[-1]
-    starts = ~torch.diagonal(mask, offset=-1, dim1=1, dim2=2)  # [b, n-1]: query j+1 cannot see key j
+#: queries x keys x batch evaluated per step when a packed mask is checked (bounds its memory to ~16 MB of bools)
+MASK_CHECK_ELEMENTS = 1 << 24
+
+
+def _documents_of(call: dict, window) -> torch.Tensor | None:
+    """The ``[b, n]`` int32 document ids of transformers' mask without a cache (``call``: the mask interface's
+    arguments), when that mask is exactly causal attention within contiguous documents (and ``window``); else None.
+
+    A new document starts where a query cannot see the key just before it (one evaluation of the mask function per
+    token); the whole mask is then compared, a block of queries at a time, with the one those ids describe."""
+    from transformers.masking_utils import sdpa_mask
+
+    batch, n = call["batch_size"], call["q_length"]
+    device = call.get("device", "cpu")
+    rows = torch.arange(batch, device=device)[:, None, None, None]
+    later = torch.arange(1, n, device=device)[None, None, :, None]
+    sees_previous = call["mask_function"](rows, torch.zeros((), dtype=torch.long, device=device), later, later - 1)
+    starts = ~sees_previous.expand(batch, 1, n - 1, 1).reshape(batch, n - 1)
     doc = F.pad(starts.long().cumsum(-1), (1, 0))
-    pos = torch.arange(n, device=mask.device)
-    expected = (doc[:, :, None] == doc[:, None, :]) & (pos[:, None] >= pos[None, :])
-    if window:
-        expected &= pos[:, None] - pos[None, :] < window
-    return doc.to(torch.int32) if torch.equal(expected, mask) else None
+    keys = torch.arange(n, device=device)
+    step = max(1, MASK_CHECK_ELEMENTS // max(1, batch * n))
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        block = sdpa_mask(**{**call, "q_length": stop - start, "q_offset": start, "allow_is_causal_skip": False})
+        queries = keys[start:stop, None]
+        expected = (doc[:, start:stop, None] == doc[:, None, :]) & (queries >= keys[None, :])
+        if window:
+            expected &= queries - keys[None, :] < window
+        if block is None or not torch.equal(block[:, 0], expected):
+            return None
+    return doc.to(torch.int32)
 
 
 def _tritonlm_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
@@ -199,8 +217,8 @@ def _tritonlm_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mas
 
     * None: plain causal (sliding) attention, queries the last keys, nothing padded;
     * an int32 ``[b, kv_length]`` segment map: -1 for padding keys, else the key's document (packed sequences
-      from ``position_ids`` restarting, found by evaluating transformers' own mask function and checking that the
-      whole mask is causal attention within contiguous documents);
+      from ``position_ids`` restarting, found by evaluating transformers' own mask function and checking, a block
+      of queries at a time, that the whole mask is causal attention within contiguous documents);
     * a 4-D boolean mask from ``sdpa_mask`` for anything else (custom overlays, static caches, padding in the
       middle of a sliding window): :func:`tritonlm_attention` then runs HF's sdpa attention with it.
     """
@@ -225,10 +243,9 @@ def _tritonlm_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mas
         return torch.where(padding, 0, -1).to(torch.int32)
     if padding is None and q_offset == 0 and kv_offset == 0 and q_length == kv_length:
         # an overlay without a cache: packed documents (position_ids restarting) are the case to run natively
-        dense = sdpa_mask(**{**call, "allow_is_causal_skip": False})
-        segments = _segments_of(dense, local_size)
+        segments = _documents_of(call, local_size)
         if segments is None:
-            return dense
+            return sdpa_mask(**{**call, "allow_is_causal_skip": False})
         segments.tritonlm_documents = True  # documents only, no padding: flash kwargs may describe the same
         return segments
     return sdpa_mask(**call)
