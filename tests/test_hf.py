@@ -608,8 +608,13 @@ def test_documents_found_only_in_a_mask_of_documents():
     """The packed-mask reader against transformers' own mask functions: causal within documents gives the
     documents (also with a window); one extra visible key (an overlay) gives None, so sdpa runs it."""
     _transformers()
-    from transformers.masking_utils import (and_masks, causal_mask_function, or_masks, packed_sequence_mask_function,
-                                            sliding_window_causal_mask_function)
+    from transformers.masking_utils import (
+        and_masks,
+        causal_mask_function,
+        or_masks,
+        packed_sequence_mask_function,
+        sliding_window_causal_mask_function,
+    )
 
     from tritonlm.hf import patch
 
