@@ -177,3 +177,25 @@ def first_order_backward(backward):
         return backward(ctx, *grads)
 
     return wrapper
+
+
+@contextlib.contextmanager
+def capture_launches(keep: bool = True):
+    """Inside the block every compiled ``kernel[grid](...)`` call is recorded as ``(kernel, args, kwargs)`` instead of
+    run (``keep=False``: skipped, holding no reference to its arguments). The SASS report compiles what it
+    records; the memory counter skips launches on meta tensors."""
+    from triton.runtime.jit import JITFunction
+
+    calls = []
+    original = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if keep:
+            calls.append((self, args, kwargs))
+        return None
+
+    JITFunction.run = run
+    try:
+        yield calls
+    finally:
+        JITFunction.run = original

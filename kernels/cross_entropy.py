@@ -26,7 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..profiling import kernel_range
 from ._common import (
     as_rows,
     check_device,
@@ -36,6 +35,7 @@ from ._common import (
     on_gpu,
     use_custom_op,
 )
+from ._ranges import kernel_range
 
 REDUCTIONS = ("mean", "sum", "none")
 

@@ -41,7 +41,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..profiling import kernel_range
 from . import tuned
 from ._common import (
     ASSUMED_SM_COUNT,
@@ -57,6 +56,7 @@ from ._common import (
     sm_count,
     use_custom_op,
 )
+from ._ranges import kernel_range
 
 LOG2E = 1.4426950408889634
 

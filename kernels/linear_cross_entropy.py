@@ -29,8 +29,8 @@ import contextlib
 import torch
 import triton
 
-from ..profiling import kernel_range
 from ._common import check_device, check_float, first_order_backward
+from ._ranges import kernel_range
 from .cross_entropy import check_loss_options, cross_entropy_rows, mean_scale, reduce_loss
 from .cross_entropy import check_targets as _check_targets
 

@@ -24,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..profiling import kernel_range
 from . import tuned
 from ._common import (
     as_rows,
@@ -35,6 +34,7 @@ from ._common import (
     num_persistent_programs,
     use_custom_op,
 )
+from ._ranges import kernel_range
 
 MAX_FUSED_COLS = 8192   # widest row kept whole in registers (fp32: 8192 / (32 × 16 warps) = 16 per thread)
 # The forward holds only x (and w) per row: 16384 columns are 32 fp32 values per thread at 16 warps, spill-free

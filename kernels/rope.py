@@ -25,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..profiling import kernel_range
 from . import tuned
 from ._common import (
     ASSUMED_SM_COUNT,
@@ -38,6 +37,7 @@ from ._common import (
     sm_count,
     use_custom_op,
 )
+from ._ranges import kernel_range
 
 TILE_ELEMENTS = 4096  # BLOCK_S × BLOCK_D per program
 

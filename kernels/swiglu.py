@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..profiling import kernel_range
 from . import tuned
 from ._common import check_device, check_float, first_order_backward, use_custom_op
+from ._ranges import kernel_range
 
 BLOCK = 1024
 

@@ -32,7 +32,7 @@ from .reference import (  # noqa: F401  (unchanged components, re-exported for a
 __all__ = [
     "Linear", "Embedding", "RMSNorm", "LayerNorm", "BatchNorm", "RotaryPositionalEmbedding",
     "SinusoidalPositionalEncoding", "SwiGLU", "ReLUFFN", "SiLUFFN", "MultiHeadSelfAttention", "KVCache",
-    "TransformerBlock", "TransformerLM", "fuse", "unfuse",
+    "TransformerBlock", "TransformerLM", "fuse", "unfuse", "lm_head_loss",
 ]
 
 
@@ -101,6 +101,14 @@ class MultiHeadSelfAttention(_ref.MultiHeadSelfAttention):
         out = _kernels().FlashAttention.apply(*packed, True, None, None, documents.cu_seqlens, documents.cu_seqlens,
                                               documents.max_len, documents.max_len)
         return out.reshape(batch, seq, q.shape[-3], q.shape[-1]).transpose(-3, -2)
+
+
+def lm_head_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
+                 label_smoothing: float = 0.0, z_loss: float = 0.0, check_targets: bool = True) -> torch.Tensor:
+    """:func:`reference.lm_head_loss` as the fused linear cross-entropy: the ``[tokens, vocab]`` logits are never
+    formed. ``check_targets=False`` skips the range check (its host sync) for targets validated once already."""
+    return _kernels().linear_cross_entropy(hidden, head.weight, targets, ignore_index=ignore_index,
+                                           label_smoothing=label_smoothing, z_loss=z_loss, check_targets=check_targets)
 
 
 class TransformerBlock(_Block):

@@ -219,18 +219,11 @@ class TransformerLM(nn.Module):
                           label_smoothing: float = 0.0, z_loss: float = 0.0) -> torch.Tensor:
         if targets.shape != hidden.shape[:-1]:
             raise ValueError(f"targets {tuple(targets.shape)} must match token_ids {tuple(hidden.shape[:-1])}")
-        if self.backend == "triton":
-            from .. import kernels
-
-            return kernels.linear_cross_entropy(hidden, self.lm_head.weight, targets, ignore_index=ignore_index,
-                                                label_smoothing=label_smoothing, z_loss=z_loss,
-                                                # targets come from the ids' data: a trainer that validated it
-                                                # once (check_ids off) skips the per-step host sync here too
-                                                check_targets=self.token_embeddings.check_ids)
-        from .functional import cross_entropy
-
-        return cross_entropy(self.lm_head(hidden), targets, ignore_index=ignore_index,
-                             label_smoothing=label_smoothing, z_loss=z_loss)
+        # the backend's own loss: the fused one never forms the [tokens, vocab] logits; targets come from the ids'
+        # data, so a trainer that validated it once (check_ids off) skips the per-step range check (a host sync)
+        return components(self.backend).lm_head_loss(
+            self.lm_head, hidden, targets, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+            check_targets=self.token_embeddings.check_ids)
 
     def hidden_states(self, token_ids: torch.Tensor, token_positions: torch.Tensor | None = None,
                       kv_caches=None, *, document_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -294,7 +287,7 @@ class TransformerLM(nn.Module):
         the context. ``allowed`` (bool ``[vocab]``): only ids marked True are ever sampled, e.g. the ones a tokenizer can
         decode when the model's vocabulary is padded past it (as Hugging Face checkpoints often are).
         """
-        from ..generate import sample_next
+        from .sampling import sample_next
 
         ids = torch.as_tensor(prompt_ids, device=self.lm_head.weight.device)
         squeeze = ids.dim() == 1

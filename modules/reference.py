@@ -21,7 +21,7 @@ from .model import TransformerBlock, TransformerLM  # noqa: F401  (the one share
 __all__ = [
     "Linear", "Embedding", "RMSNorm", "LayerNorm", "BatchNorm", "RotaryPositionalEmbedding",
     "SinusoidalPositionalEncoding", "SwiGLU", "ReLUFFN", "SiLUFFN", "MultiHeadSelfAttention",
-    "KVCache", "TransformerBlock", "TransformerLM",
+    "KVCache", "TransformerBlock", "TransformerLM", "lm_head_loss",
 ]
 
 
@@ -310,6 +310,15 @@ class SiLUFFN(ReLUFFN):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)))
+
+
+def lm_head_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
+                 label_smoothing: float = 0.0, z_loss: float = 0.0, check_targets: bool = True) -> torch.Tensor:
+    """The LM loss of ``hidden[..., d_model]`` through ``head`` (its ``[..., vocab]`` logits formed whole, then
+    :func:`functional.cross_entropy`); the fused twin never forms them. ``check_targets`` is the fused path's
+    (here an out-of-range target fails in the indexing)."""
+    return F.cross_entropy(head(hidden), targets, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                           z_loss=z_loss)
 
 
 class KVCache:

@@ -14,7 +14,6 @@ This is static analysis, not measured speed.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import re
@@ -68,27 +67,6 @@ class Row:
 # ----------------------------------------------------------------------------------------------------
 # capturing launches
 # ----------------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _capture(keep: bool = True):
-    """Record ``kernel[grid](...)`` calls instead of running them (``keep=False``: just skip them, holding
-    no reference to their arguments)."""
-    from triton.runtime.jit import JITFunction
-
-    calls = []
-    original = JITFunction.run
-
-    def run(self, *args, grid, warmup, **kwargs):
-        if keep:
-            calls.append((self, args, kwargs))
-        return None
-
-    JITFunction.run = run
-    try:
-        yield calls
-    finally:
-        JITFunction.run = original
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -96,12 +74,12 @@ def _nbytes(t: torch.Tensor) -> int:
 def capture(thunk, capability: int = 90) -> list[tuple]:
     """Run ``thunk`` (which calls launchers on meta tensors) as if on a GPU of ``capability`` and return
     the captured kernel calls."""
-    from .kernels._common import INTERPRETING, assume_gpu_target
+    from .kernels._common import INTERPRETING, assume_gpu_target, capture_launches
 
     if INTERPRETING:
         raise RuntimeError("the SASS report compiles kernels for real GPUs; run it without TRITON_INTERPRET=1 "
                            "(the interpreter replaces the compiled kernels)")
-    with assume_gpu_target(capability), _capture() as calls:
+    with assume_gpu_target(capability), capture_launches() as calls:
         thunk()
     return calls
 

@@ -119,12 +119,10 @@ def peak_live_bytes(fn, *args, **kwargs) -> tuple[object, int]:
 @contextlib.contextmanager
 def _skip_triton_launches():
     """Triton launches become no-ops (meta tensors have no data to compute on), compiled or interpreted."""
-    from .kernels._common import INTERPRETING
+    from .kernels._common import INTERPRETING, capture_launches
 
     if not INTERPRETING:
-        from .kernel_report import _capture
-
-        with _capture(keep=False):
+        with capture_launches(keep=False):
             yield
         return
     from triton.runtime.interpreter import InterpretedFunction
