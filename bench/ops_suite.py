@@ -50,96 +50,40 @@ def _modes(forward, inputs, device, smoke):
 
 
 def op_rows(device, copy_bw, smoke=False, time_left=lambda: 1e9):
-    from tritonlm.kernels import add_rms_norm, apply_rope, rms_norm, swiglu_gate
-    from tritonlm.modules import functional as F
-    from tritonlm.modules import reference
+    """Every registered op with a bench case (``kernels/_registry.py``) on ``[rows, hidden]`` activations: its
+    reference, ours, Liger-Kernel's when importable and torch.compile of the reference (one shape); forward and
+    backward timed apart, with the bandwidth of the compulsory traffic."""
+    from tritonlm.kernels import _registry
 
     dtype = torch.float32 if smoke else torch.bfloat16
     shapes = [(64, 256)] if smoke else [(4096, 768), (16384, 4096), (65536, 8192)]
     compile_shape = None if smoke else (16384, 4096)
-
-    def rms_ref(x, w):
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * w.float()).to(x.dtype)
-
-    def swi_ref(a, b):
-        return F.silu(a) * b
-
-    def add_norm_ref(x, r, w):
-        y, h = reference_add_norm(x, r, w)
-        return y + h  # one output for _modes: both results flow back
-
-    def add_norm_ours(x, r, w):
-        y, h = add_rms_norm(x, r, w, 1e-5)
-        return y + h
-
-    def reference_add_norm(x, r, w):
-        h = x + r
-        return rms_ref(h, w), h
-
     liger = liger_impls() if device.type == "cuda" else {}
+    benched = [op for op in _registry.ops() if op.bench_case is not None]
 
     rows = []
     for rows_, hidden in shapes:
         if time_left() < 90:
             break
-        x = torch.randn(rows_, hidden, device=device, dtype=dtype, requires_grad=True)
-        w = torch.ones(hidden, device=device, dtype=dtype, requires_grad=True)
-        b = torch.randn(rows_, hidden, device=device, dtype=dtype, requires_grad=True)
-        n = x.numel() * x.element_size()
-        cases = {
-            "rmsnorm": ({"reference": rms_ref, "torch F.rms_norm": lambda x, w: TF.rms_norm(x, (x.shape[-1],), w, 1e-5),
-                         "tritonlm": lambda x, w: rms_norm(x, w, 1e-5)}, (x, w), {"fwd": 2 * n, "bwd": 3 * n}),
-            "swiglu": ({"reference": swi_ref, "tritonlm": swiglu_gate}, (x, b), {"fwd": 3 * n, "bwd": 5 * n}),
-            # fwd reads x, r and writes y, h; bwd reads dy, dh (one upstream gradient here: y + h summed), h,
-            # writes dx (the same tensor serves the residual)
-            "add_rmsnorm": ({"reference": add_norm_ref, "tritonlm": add_norm_ours}, (x, b, w),
-                            {"fwd": 4 * n, "bwd": 4 * n}),
-        }
-        for name in ("rmsnorm", "swiglu"):
-            if name in liger:
-                cases[name][0]["liger-kernel"] = liger[name]
-        if (rows_, hidden) == compile_shape:
-            cases["rmsnorm"][0]["torch.compile(reference)"] = torch.compile(rms_ref, dynamic=False)
-            cases["add_rmsnorm"][0]["torch.compile(reference)"] = torch.compile(add_norm_ref, dynamic=False)
-            cases["swiglu"][0]["torch.compile(reference)"] = torch.compile(swi_ref, dynamic=False)
-        # RoPE on q and k: [batch, heads, seq, d] views with d = 128, as many rows as the x tensor
-        d = 128 if hidden >= 128 else 16
-        heads = max(1, hidden // d)
-        rope = reference.RotaryPositionalEmbedding(10000.0, d, rows_, device=device)
-        q = torch.randn(1, rows_, heads * d, device=device, dtype=dtype).unflatten(-1, (heads, d)).transpose(1, 2)
-        k = torch.randn(1, rows_, heads * d, device=device, dtype=dtype).unflatten(-1, (heads, d)).transpose(1, 2)
-        q.requires_grad_()
-        k.requires_grad_()
-        qn = q.numel() * q.element_size()
-
-        def rope_ref(q, k, rope=rope):
-            return torch.cat([rope(q), rope(k)])
-
-        def rope_ours(q, k, rope=rope):
-            return torch.cat(apply_rope(q, k, None, cos=rope.cos_cached, sin=rope.sin_cached))
-
-        rope_impls = {"reference": rope_ref, "tritonlm": rope_ours}
-        if "rope" in liger:
-            rope_impls["liger-kernel"] = liger["rope"](rope.cos_cached, rope.sin_cached, dtype)
-        if (rows_, hidden) == compile_shape:
-            rope_impls["torch.compile(reference)"] = torch.compile(rope_ref, dynamic=False)
-        # the cat copies both outputs in every implementation; counted as traffic for all alike
-        cases["rope"] = (rope_impls, (q, k), {"fwd": 6 * qn, "bwd": 6 * qn})
-
-        for op, (impls, inputs, traffic) in cases.items():
+        for op in benched:
+            case = op.bench_case(rows_, hidden, device, dtype)
+            impls = dict(case.impls)
+            if case.liger in liger:
+                impls["liger-kernel"] = liger[case.liger](*case.liger_args) if case.liger_args else liger[case.liger]
+            if (rows_, hidden) == compile_shape:
+                impls["torch.compile(reference)"] = torch.compile(case.impls["reference"], dynamic=False)
             for impl, fn in impls.items():
                 try:
-                    t = _modes(fn, inputs, device, smoke)
+                    t = _modes(fn, case.inputs, device, smoke)
                 except Exception as e:  # e.g. a baseline that does not support this shape
-                    rows.append({"op": op, "shape": f"{rows_}x{hidden}", "impl": impl, "error": repr(e)[:200]})
+                    rows.append({"op": op.name, "shape": f"{rows_}x{hidden}", "impl": impl, "error": repr(e)[:200]})
                     continue
                 for mode in ("fwd", "bwd"):
-                    gbps = traffic[mode] / t[mode] / 1e9
-                    rows.append({"op": op, "shape": f"{rows_}x{hidden}", "dtype": str(dtype)[6:], "impl": impl,
+                    gbps = case.traffic[mode] / t[mode] / 1e9
+                    rows.append({"op": op.name, "shape": f"{rows_}x{hidden}", "dtype": str(dtype)[6:], "impl": impl,
                                  "mode": mode, "ms": 1e3 * t[mode], "GBps": gbps,
                                  "pct_copy_bw": 100 * gbps * 1e9 / copy_bw})
-        del x, w, b, q, k
+            del case, impls
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows

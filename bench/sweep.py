@@ -2,7 +2,8 @@
 side by side in one process; the winners become a tuned launch table (``kernels/tuned/<gpu>.json`` once
 committed) that the launchers read on that GPU.
 
-Every candidate runs through the real launcher under :func:`tritonlm.kernels.tuned.override`, so what is timed is
+The cases and candidates are the ops' registrations (``kernels/_registry.py``: each tunable's fields, alternatives
+and shipped configuration, each op's sweep inputs). Every candidate runs through the real launcher under :func:`tritonlm.kernels.tuned.override`, so what is timed is
 exactly what a tuned table would launch. A candidate that fails to compile or run (e.g. too much shared memory) is
 reported and skipped. A winner enters the table only when it beats the shipped configuration by
 ``MIN_GAIN``; the attention backward's atomic-dQ variant is timed and reported beside its deterministic
@@ -20,116 +21,24 @@ from pathlib import Path
 import torch
 
 from tritonlm.benchmarking import time_fn
-from tritonlm.kernels import tuned
+from tritonlm.kernels import _registry, tuned
 
 MIN_GAIN = 1.03
 
-#: Alternatives per kernel, besides the shipped configuration (GPU runs; the smoke run takes the first two).
-ATTENTION_FWD = [dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3), dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4),
-                 dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2), dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
-                 dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4), dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
-                 # two CTAs per sm_90 SM at d 128 (SASS report with this config: 174 registers x 128 threads,
-                 # 80 KB dynamic shared memory, spill-free)
-                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)]
-ATTENTION_BWD = [dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
-                 dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2), dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
-                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=3)]
-RMS_NORM = [dict(BLOCK_M=1, num_warps=4), dict(BLOCK_M=1, num_warps=8), dict(BLOCK_M=2, num_warps=8),
-            dict(BLOCK_M=4, num_warps=8), dict(BLOCK_M=4, num_warps=16)]
-ROPE = [dict(HEADS=1), dict(HEADS=4), dict(HEADS=8), dict(HEADS=32),  # 32: every q head of a 32-head layer
-        dict(BLOCK_S=16, HEADS=8, num_warps=4), dict(BLOCK_S=64, HEADS=2, num_warps=8)]
-SWIGLU = [dict(BLOCK=2048, num_warps=4), dict(BLOCK=2048, num_warps=8), dict(BLOCK=4096, num_warps=8),
-          dict(BLOCK=512, num_warps=4)]
-
 
 def _cases(device, smoke: bool) -> list[tuple]:
-    """``(kernel, key, make_step, candidates)``: ``make_step()`` builds inputs and returns the timed callable."""
-    from tritonlm.kernels import apply_rope, flash_attention, rms_norm, rope_tables, swiglu_gate
-
-    dtype = torch.float32 if smoke else torch.bfloat16
-    dn = tuned.dtype_name(dtype)
+    """``(kernel, key, make_step, candidates)`` of every registered op's sweep cases (``kernels/_registry.py``):
+    ``make_step()`` builds inputs and returns the timed callable."""
     cases = []
-
-    # attention, causal, batch x heads x seq x d
-    for d in ((16,) if smoke else (64, 128)):
-        b, h, n = (1, 2, 64) if smoke else (4, 16, 4096)
-        key = f"{dn}-d{d}"
-
-        def fwd_step(d=d, b=b, h=h, n=n):
-            q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype) for _ in range(3))
-            return lambda: flash_attention(q, k, v, True)
-
-        def bwd_step(d=d, b=b, h=h, n=n, deterministic=True):
-            q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-            grad = torch.randn(b, h, n, d, device=device, dtype=dtype)
-
-            def step():  # forward and backward (a candidate's forward must not change what the backward sees)
-                out = flash_attention(q, k, v, True, deterministic=deterministic)
-                return torch.autograd.grad(out, (q, k, v), grad)
-            return step
-
-        # the Hopper TMA variant competes with the shipped tiles on sm_90+ (and in the smoke run's interpreter)
-        hopper = smoke or torch.cuda.get_device_capability(device)[0] >= 9
-        cases.append(("attention_fwd", key, fwd_step, ([dict(TMA=1)] if hopper else []) + ATTENTION_FWD))
-        cases.append(("attention_bwd", key, bwd_step, ([dict(TMA=1)] if hopper else []) + ATTENTION_BWD))
-        cases.append(("attention_bwd", key + " atomic-dQ", lambda f=bwd_step: f(deterministic=False), []))
-
-    # RMSNorm forward + backward over 16K rows (smoke: 64)
-    for n_cols in ((256,) if smoke else (768, 4096)):
-        rows = 64 if smoke else 16384
-
-        def norm_step(n_cols=n_cols, rows=rows):
-            x = torch.randn(rows, n_cols, device=device, dtype=dtype, requires_grad=True)
-            w = torch.ones(n_cols, device=device, dtype=dtype, requires_grad=True)
-            grad = torch.randn(rows, n_cols, device=device, dtype=dtype)
-
-            def step():
-                y = rms_norm(x, w)
-                return (y, *torch.autograd.grad(y, (x, w), grad))
-            return step
-
-        block_n = 1 << (n_cols - 1).bit_length()
-        cases.append(("rms_norm", f"{dn}-n{block_n}", norm_step,
-                      [c for c in RMS_NORM if c["BLOCK_M"] * block_n <= 16384]))
-
-    # RoPE on q and k, [batch, heads, seq, 128] (smoke: d 16)
-    d = 16 if smoke else 128
-
-    def rope_step(d=d):
-        b, h, n = (1, 2, 32) if smoke else (4, 32, 4096)
-        q, k = (torch.randn(b, h, n, d, device=device, dtype=dtype) for _ in range(2))
-        cos, sin = rope_tables(10000.0, d, n, device)
-        pos = torch.arange(n, device=device)
-        return lambda: apply_rope(q, k, pos, cos=cos, sin=sin, check_positions=False)
-
-    cases.append(("rope", f"{dn}-d{d}", rope_step, ROPE))
-
-    # SwiGLU gate, a Llama-7B FFN's worth: 8K tokens x 11008
-    def swiglu_step():
-        shape = (64, 96) if smoke else (8192, 11008)
-        a, b_ = (torch.randn(shape, device=device, dtype=dtype) for _ in range(2))
-        return lambda: swiglu_gate(a, b_)
-
-    cases.append(("swiglu", dn, swiglu_step, SWIGLU))
+    for op in _registry.ops():
+        for case in op.sweep_cases(device, smoke) if op.sweep_cases else ():
+            cases.append((case.tunable, case.key, case.make_step, list(case.candidates)))
     return cases
 
 
 def _shipped(kernel: str, key: str, device, dtype) -> dict:
     """The configuration the launcher picks without a table, for the report."""
-    import importlib
-
-    d_or_n = int(key.split("-")[1].split()[0][1:]) if "-" in key else 0
-    if kernel in ("attention_fwd", "attention_bwd"):
-        fa = importlib.import_module("tritonlm.kernels.flash_attention")
-        pick = fa._fwd_config if kernel == "attention_fwd" else fa._bwd_config
-        return dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), pick(d_or_n, dtype, device)))
-    if kernel == "rms_norm":
-        cfg = importlib.import_module("tritonlm.kernels.rmsnorm")._launch_config(d_or_n)
-        return {k: cfg[k] for k in ("BLOCK_M", "num_warps")}
-    if kernel == "rope":
-        cfg = importlib.import_module("tritonlm.kernels.rope")._launch_config(d_or_n, dtype)
-        return {k: cfg[k] for k in ("BLOCK_S", "num_warps")}
-    return dict(BLOCK=importlib.import_module("tritonlm.kernels.swiglu").BLOCK, num_warps=4)
+    return _registry.tunables()[kernel].shipped(key, device, dtype)
 
 
 def _mismatch(got, expected, dtype) -> str | None:

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import tuned
+from . import _registry, tuned
 from ._common import check_device, check_float, first_order_backward, use_custom_op
 from ._ranges import kernel_range
 
@@ -149,3 +149,49 @@ def swiglu_gate(a: torch.Tensor, b: torch.Tensor, *, inplace_backward: bool = Fa
     check_float("swiglu_gate", a)
     check_device("swiglu_gate", a, b)
     return SwiGLUGateFunction.apply(a, b, inplace_backward)
+
+
+# ----------------------------------------------------------------------------------------------------
+# registration: what the SASS report, the sweep and the op suite need (kernels/_registry.py)
+# ----------------------------------------------------------------------------------------------------
+def _sass_cases(quick: bool) -> list[_registry.SassCase]:
+    cases = []
+    for dtype, hidden in _registry.sass_shapes(quick):
+        x = torch.empty(_registry.SASS_ROWS, hidden, dtype=dtype, device="meta")
+        case = f"{_registry.SASS_ROWS}x{hidden} {_registry.dtype_label(dtype)}"
+        cases += [_registry.SassCase(case, lambda x=x: swiglu_forward(x, x), (_registry.SassLaunch("swiglu.fwd"),)),
+                  _registry.SassCase(case, lambda x=x: swiglu_backward(x, x, x), (_registry.SassLaunch("swiglu.bwd"),))]
+    return cases
+
+
+def _sweep_cases(device: torch.device, smoke: bool) -> list[_registry.SweepCase]:
+    """The gate of a Llama-7B FFN's worth of tokens: 8K x 11008 (smoke: 64 x 96)."""
+    dtype = torch.float32 if smoke else torch.bfloat16
+
+    def step():
+        shape = (64, 96) if smoke else (8192, 11008)
+        a, b = (torch.randn(shape, device=device, dtype=dtype) for _ in range(2))
+        return lambda: swiglu_gate(a, b)
+
+    return [_registry.SweepCase("swiglu", tuned.dtype_name(dtype), step, _SWEEP_CANDIDATES)]
+
+
+def _reference_swiglu(a, b):
+    return a * torch.sigmoid(a) * b
+
+
+def _bench_case(rows: int, hidden: int, device: torch.device, dtype: torch.dtype) -> _registry.BenchCase:
+    a, b = (torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    n = _registry.nbytes(a)
+    return _registry.BenchCase({"reference": _reference_swiglu, "tritonlm": swiglu_gate}, (a, b),
+                               {"fwd": 3 * n, "bwd": 5 * n}, liger="swiglu")
+
+
+_SWEEP_CANDIDATES = (dict(BLOCK=2048, num_warps=4), dict(BLOCK=2048, num_warps=8), dict(BLOCK=4096, num_warps=8),
+                     dict(BLOCK=512, num_warps=4))
+
+_registry.register(_registry.Op(
+    name="swiglu", entry_points=("swiglu_gate", "SwiGLUGateFunction"), reference="tritonlm.modules.reference.SwiGLU",
+    tunables=(_registry.Tunable("swiglu", ("BLOCK", "num_warps"), _SWEEP_CANDIDATES,
+                                lambda key, device, dtype: dict(BLOCK=BLOCK, num_warps=4)),),
+    sass_cases=_sass_cases, sweep_cases=_sweep_cases, bench_case=_bench_case))

@@ -211,11 +211,10 @@ def test_fp32_attention_follows_torch_matmul_precision(monkeypatch):
     """fp32 attention dots are IEEE under PyTorch's default ("highest") and TF32 only where PyTorch allows it
     ("high"): the DOT_PRECISION constexpr every tl.dot takes as input_precision (16-bit dots ignore it; they
     get the default "tf32"). Checked on the launch arguments the kernels receive."""
-    import importlib
+    from tritonlm.kernels.attention import backward, forward
 
-    fa = importlib.import_module("tritonlm.kernels.flash_attention")
     seen = []
-    for kernel in (fa._fwd_kernel, fa._bwd_dkdv_kernel, fa._bwd_dq_kernel):
+    for kernel in (forward._fwd_kernel, backward._bwd_dkdv_kernel, backward._bwd_dq_kernel):
         original = kernel.run
         monkeypatch.setattr(kernel, "run", lambda *a, _o=original, **k: seen.append(
             k.get("DOT_PRECISION")) or _o(*a, **k))
@@ -233,12 +232,12 @@ def test_fp32_attention_follows_torch_matmul_precision(monkeypatch):
 def test_every_dot_takes_the_precision_constexpr():
     """Each tl.dot in the attention kernels passes input_precision=DOT_PRECISION (a compile option does not reach
     tl.dot): read from the kernel source, so a new dot without it fails here."""
-    import importlib
     import inspect
     import re
 
-    fa = importlib.import_module("tritonlm.kernels.flash_attention")
-    source = inspect.getsource(fa)
+    from tritonlm.kernels.attention import backward, decode, forward, tiles
+
+    source = "".join(inspect.getsource(m) for m in (forward, backward, decode, tiles))
     dots = re.findall(r"tl\.dot\(", source)
     with_precision = re.findall(r"tl\.dot\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*input_precision=DOT_PRECISION\)", source)
     assert len(dots) >= 10 and len(with_precision) == len(dots)

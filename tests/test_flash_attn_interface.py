@@ -1,17 +1,17 @@
 """flash-attn 2 entry points (windows, packed documents, GQA) and split-KV decoding, against PyTorch's
 ``F.scaled_dot_product_attention`` with an explicit boolean mask (``enable_gqa``) in fp64."""
 
-import importlib
 
 import pytest
 import torch
 import torch.nn.functional as TF
 
 from tritonlm.kernels import FlashAttention, flash_attn_func, flash_attn_varlen_func
+from tritonlm.kernels.attention import backward as attention_backward
+from tritonlm.kernels.attention import decode as attention_decode
 
 from conftest import FP32_ATTENTION_TOL
 
-fa_module = importlib.import_module("tritonlm.kernels.flash_attention")
 TOL = {torch.float32: FP32_ATTENTION_TOL, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
@@ -141,10 +141,10 @@ def test_window_never_visits_key_tiles_left_of_it():
 @pytest.fixture
 def split_decoding(monkeypatch):
     """Let short test caches take the flash-decoding path, and record that they did."""
-    monkeypatch.setattr(fa_module, "DECODE_MIN_KEYS", 64)
+    monkeypatch.setattr(attention_decode, "DECODE_MIN_KEYS", 64)
     chosen = []
-    original = fa_module._decode_splits
-    monkeypatch.setattr(fa_module, "_decode_splits", lambda *a: chosen.append(original(*a)) or chosen[-1])
+    original = attention_decode._decode_splits
+    monkeypatch.setattr(attention_decode, "_decode_splits", lambda *a: chosen.append(original(*a)) or chosen[-1])
     return chosen
 
 
@@ -235,7 +235,7 @@ def test_deterministic_selects_the_backward(deterministic, monkeypatch):
     runs no dQ kernel; True runs the two-kernel backward. Both against fp64 SDPA, packed and batched."""
     launched = []
     for name in ("_bwd_dkdv_kernel", "_bwd_dq_kernel"):
-        kernel = getattr(fa_module, name)
+        kernel = getattr(attention_backward, name)
         real = kernel.run
         monkeypatch.setattr(kernel, "run", lambda *a, _n=name, _r=real, **k: launched.append(
             (_n, k.get("ATOMIC_DQ"))) or _r(*a, **k))
@@ -262,7 +262,7 @@ def test_varlen_launches_without_a_host_sync(monkeypatch):
     """With max_seqlen_q/k given (flash-attn's contract), forward and backward never read a tensor's values on
     the host when they live on a device: every host read is counted (the CPU tensors here stand in for device
     ones, so the free CPU-side value check is off)."""
-    import tritonlm.kernels.flash_attn_interface as interface
+    import tritonlm.kernels.attention.interface as interface
 
     lengths = [5, 9, 2]
     q, k, v, cu_q, cu_k = _packed(lengths, lengths, 4, 2, 16, torch.float32)

@@ -1,20 +1,17 @@
 """Fused losses (Triton, interpreter): cross_entropy on logits and linear_cross_entropy (LM head + loss), against
 ``F.cross_entropy`` and an fp64 recomputation of every option; peak memory of the head + loss on CPU."""
 
-import importlib
 
 import pytest
 import torch
 import torch.nn.functional as TF
 
 from tritonlm.kernels import cross_entropy, linear_cross_entropy
+from tritonlm.kernels import linear_cross_entropy_loss as lce_module
 from tritonlm.memory import peak_live_bytes
 from tritonlm.modules import functional
 
 from conftest import tolerance
-
-# the package re-exports a function of the same name, so import the module by path
-lce_module = importlib.import_module("tritonlm.kernels.linear_cross_entropy")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 OPTIONS = [  # (label_smoothing, z_loss, softcap)
@@ -349,11 +346,8 @@ def test_linear_cross_entropy_refuses_a_second_backward_through_one_graph():
 
 
 def test_model_loss_checks_targets_unless_the_data_was_validated(monkeypatch):
-    import importlib
-
     from tritonlm import ModelConfig, TransformerLM
-
-    lce = importlib.import_module("tritonlm.kernels.linear_cross_entropy")
+    from tritonlm.kernels import linear_cross_entropy_loss as lce
     checks = []
     real = lce._check_targets
     monkeypatch.setattr(lce, "_check_targets", lambda *a, **k: checks.append(a[0]) or real(*a, **k))

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from tritonlm.kernels import flash_attention, rms_norm, swiglu_gate, tuned
+from tritonlm.kernels.attention import launch as FA
 
 from conftest import cpu_only, tolerance
 
-FA = importlib.import_module("tritonlm.kernels.flash_attention")  # the module (the package exports the function)
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
@@ -281,7 +281,7 @@ def test_tma_forward_checks_its_grid_before_launching(monkeypatch):
     launch."""
     import triton
 
-    common = importlib.import_module("tritonlm.kernels._common")
+    from tritonlm.kernels import _common as common
     monkeypatch.setattr(FA, "MAX_GRID_AXIS1", 2)  # so 2 x 3 heads need several launches
     monkeypatch.setattr(common, "MAX_GRID_AXIS1", 2)
     launches, allocators = [], []

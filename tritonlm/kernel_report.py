@@ -98,148 +98,27 @@ def _to_launch(kernel_label: str, case: str, call, flops: int = 0) -> Launch:
 
 
 def representative_launches(quick: bool = False, arch: str = "sm_90") -> list[Launch]:
-    """Every kernel at its launcher's configuration for representative shapes.
+    """Every registered op's SASS cases (``kernels/_registry.py``), each at its launcher's configuration for
+    ``arch``: the launch is captured on meta tensors and becomes one :class:`Launch` per registered row.
 
-    Elementwise ops: 4096 rows × hidden 768 / 4096 / 8192 (``quick``: 4096 only), bf16 and fp32
-    (``quick``: bf16). Attention: batch 1 × 16 heads × seq 4096, d 64 / 128, causal, forward and each
-    backward kernel (``quick``: bf16 only); then, bf16 d 128, GQA forward and dK/dV, packed documents,
-    a sliding window, and split-KV decoding with its combine kernel.
+    Elementwise ops: 4096 rows × hidden 768 / 4096 / 8192 / 16384 (``quick``: 4096 only), bf16 and fp32
+    (``quick``: bf16). Attention: batch 1 × 16 heads × seq 4096, d 64 / 128, causal, forward and each backward
+    kernel (``quick``: bf16 only); then, bf16 d 128, GQA, TMA, packed documents, a sliding window, and split-KV
+    decoding with its combine kernel.
     """
-    import importlib
-
-    from .kernels import rmsnorm, rope, swiglu
-
-    # (the package re-exports a *function* named flash_attention, so import the module by path)
-    fa = importlib.import_module("tritonlm.kernels.flash_attention")
+    from .kernels import _registry
 
     cap = ARCHS[arch]  # launch heuristics may differ per architecture
-
-    def calls_of(thunk):
-        return capture(thunk, cap)
-
-    meta = torch.device("meta")
-    hiddens = [4096] if quick else [768, 4096, 8192, 16384]
-    dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float32]
     out: list[Launch] = []
-    rows = 4096
-    for dtype in dtypes:
-        dname = str(dtype).replace("torch.", "")
-        for hidden in hiddens:
-            case = f"{rows}x{hidden} {dname}"
-            x = torch.empty(rows, hidden, dtype=dtype, device=meta)
-            w = torch.empty(hidden, dtype=dtype, device=meta)
-            rstd = torch.empty(rows, dtype=torch.float32, device=meta)
-            calls = calls_of(lambda x=x, w=w: rmsnorm.rms_norm_forward(x, w, 1e-5))
-            out.append(_to_launch("rmsnorm.fwd", case, calls[0]))
-            calls = calls_of(lambda x=x, w=w, rstd=rstd: rmsnorm.rms_norm_backward(x, x, w, rstd))
-            out.append(_to_launch("rmsnorm.bwd", case, calls[0]))
-            out.append(_to_launch("rmsnorm.dw_reduce", case, calls[1]))
-            calls = calls_of(lambda x=x, w=w: rmsnorm.add_rms_norm_forward(x, x, w, 1e-5))
-            out.append(_to_launch("add_rmsnorm.fwd", case, calls[0]))
-            calls = calls_of(lambda x=x, w=w, rstd=rstd: rmsnorm.rms_norm_backward(x, x, w, rstd, x))
-            out.append(_to_launch("add_rmsnorm.bwd", case, calls[0]))
-            calls = calls_of(lambda x=x: swiglu.swiglu_forward(x, x))
-            out.append(_to_launch("swiglu.fwd", case, calls[0]))
-            calls = calls_of(lambda x=x: swiglu.swiglu_backward(x, x, x))
-            out.append(_to_launch("swiglu.bwd", case, calls[0]))
-        # RoPE on the [batch, heads, seq, d] view of a [batch, seq, heads*d] projection: q and k together
-        for d in ([128] if quick else [64, 128]):
-            heads, seq = 4096 // d, 4096
-            case = f"q,k 1x{seq}x{heads}x{d} {dname}"
-            q = torch.empty(1, seq, heads * d, dtype=dtype, device=meta).unflatten(-1, (heads, d)).transpose(1, 2)
-            cos = torch.empty(seq, d // 2, dtype=torch.float32, device=meta)
-            pos = torch.empty(seq, dtype=torch.int64, device=meta)
-            calls = calls_of(lambda q=q, cos=cos, pos=pos: rope.rope_forward(q, q, cos, cos, pos))
-            launch = _to_launch("rope.fwd", case, calls[0])
-            launch.bytes_moved = 4 * _nbytes(q) + 2 * _nbytes(cos) + _nbytes(pos)
-            out.append(launch)
-    # fused loss on a chunk of logits: 4096 tokens x GPT-2's vocab, loss + gradient in one kernel
-    ce = importlib.import_module("tritonlm.kernels.cross_entropy")
-    for dtype in dtypes:
-        dname = str(dtype).replace("torch.", "")
-        # as linear_cross_entropy lays out a chunk: rows padded to a multiple of 16 elements
-        logits = torch.empty(rows, 50272, dtype=dtype, device=meta)[:, :50257]
-        targets = torch.empty(rows, dtype=torch.int64, device=meta)
-        scale = torch.empty(1, dtype=torch.float32, device=meta)
-        calls = calls_of(lambda lg=logits, t=targets, sc=scale: ce.cross_entropy_rows(lg, t, grad=lg, grad_scale=sc))
-        launch = _to_launch("cross_entropy.fwd+grad", f"{rows}x50257 {dname}", calls[0])
-        launch.bytes_moved = 3 * _nbytes(logits)  # two reads of the logits, one write of the gradient
-        out.append(launch)
-    # attention: bf16 (fp32 too in the full report), causal, batch 1 x 16 heads x 4096
-    for dtype in dtypes:
-        dname = str(dtype).replace("torch.", "")
-        for d in ([64, 128]):
-            if quick and dtype != torch.bfloat16:
-                continue
-            b, h, n = 1, 16, 4096
-            case = f"1x{h}x{n}x{d} causal {dname}"
-            q = torch.empty(b, h, n, d, dtype=dtype, device=meta)
-            lse = torch.empty(b, h, n, dtype=torch.float32, device=meta)
-            causal_pairs = n * (n + 1) // 2
-            calls = calls_of(lambda q=q: fa.flash_attention_forward(q, q, q, True, 0.1))
-            out.append(_to_launch("attention.fwd", case, calls[0], flops=4 * b * h * causal_pairs * d))
-            calls = calls_of(lambda q=q, lse=lse: fa.flash_attention_backward(q, q, q, q, q, lse, True, 0.1))
-            out.append(_to_launch("attention.bwd_preprocess", case, calls[0]))
-            out.append(_to_launch("attention.bwd_dkdv", case, calls[1], flops=8 * b * h * causal_pairs * d))
-            out.append(_to_launch("attention.bwd_dq", case, calls[2], flops=6 * b * h * causal_pairs * d))
-            # the opt-in non-deterministic backward: dQ added with atomics inside the dK/dV kernel, no dQ kernel
-            calls = calls_of(lambda q=q, lse=lse: fa.flash_attention_backward(q, q, q, q, q, lse, True, 0.1,
-                                                                              deterministic=False))
-            out.append(_to_launch("attention.bwd_dkdv_atomic_dq", case, calls[1],
-                                  flops=10 * b * h * causal_pairs * d))
-    if quick:
-        # fp32 attention forward at both precisions PyTorch's fp32 matmul setting selects: IEEE (no TF32 MMA may
-        # appear in its SASS) and TF32 (where they must: the check can see them)
-        q32 = torch.empty(1, 16, 4096, 64, dtype=torch.float32, device=meta)
-        previous = torch.get_float32_matmul_precision()
-        for setting in ("highest", "high"):
-            torch.set_float32_matmul_precision(setting)
-            try:
-                calls = calls_of(lambda: fa.flash_attention_forward(q32, q32, q32, True, 0.1))
-            finally:
-                torch.set_float32_matmul_precision(previous)
-            out.append(_to_launch("attention.fwd", f"1x16x4096x64 causal float32 ({setting})", calls[0],
-                                  flops=4 * 16 * (4096 * 4097 // 2) * 64))
-    # attention variants, bf16 d 128: GQA 32 q heads on 8 kv heads (4K), packed documents (8 x 1K in 8K
-    # tokens), a 1K sliding window, and split-KV decoding of 1 query against a 32K cache (batch 4)
-    dtype, d = torch.bfloat16, 128
-    q = torch.empty(1, 32, 4096, d, dtype=dtype, device=meta)
-    kv = torch.empty(1, 8, 4096, d, dtype=dtype, device=meta)
-    lse = torch.empty(1, 32, 4096, dtype=torch.float32, device=meta)
-    pairs = 4096 * 4097 // 2
-    calls = calls_of(lambda: fa.flash_attention_forward(q, kv, kv, True, 0.1))
-    out.append(_to_launch("attention.gqa_fwd", "1x32(8kv)x4096x128 causal bf16", calls[0], flops=4 * 32 * pairs * d))
-    # the Hopper TMA forward (only a tuned table selects it): descriptor loads, UTMALDG in the sm_90 SASS
-    from .kernels import tuned
-
-    with tuned.override("attention_fwd", TMA=1):
-        calls = calls_of(lambda: fa.flash_attention_forward(q, kv, kv, True, 0.1))
-    out.append(_to_launch("attention.tma_fwd", "1x32(8kv)x4096x128 causal bf16", calls[0], flops=4 * 32 * pairs * d))
-    with tuned.override("attention_bwd", TMA=1):
-        calls = calls_of(lambda: fa.flash_attention_backward(q, q, kv, kv, q, lse, True, 0.1))
-    out.append(_to_launch("attention.tma_bwd_dkdv", "1x32(8kv)x4096x128 causal bf16", calls[1],
-                          flops=8 * 32 * pairs * d))
-    out.append(_to_launch("attention.tma_bwd_dq", "1x32(8kv)x4096x128 causal bf16", calls[2], flops=6 * 32 * pairs * d))
-    calls = calls_of(lambda: fa.flash_attention_backward(q, q, kv, kv, q, lse, True, 0.1))
-    out.append(_to_launch("attention.gqa_bwd_dkdv", "1x32(8kv)x4096x128 causal bf16", calls[1],
-                          flops=8 * 32 * pairs * d))
-    packed = torch.empty(8192, 16, d, dtype=dtype, device=meta)
-    cu = torch.empty(9, dtype=torch.int32, device=meta)
-    calls = calls_of(lambda: fa.flash_attention_forward(packed, packed, packed, True, 0.1, (-1, -1), cu, cu, 1024,
-                                                        1024))
-    out.append(_to_launch("attention.varlen_fwd", "8x1024 packed, 16 heads, d 128 causal bf16", calls[0],
-                          flops=4 * 16 * 8 * (1024 * 1025 // 2) * d))
-    calls = calls_of(lambda: fa.flash_attention_forward(q, q, q, True, 0.1, (1024, 0)))
-    out.append(_to_launch("attention.window_fwd", "1x32x4096x128 window 1024 bf16", calls[0],
-                          flops=4 * 32 * 4096 * 1025 * d))
-    q1 = torch.empty(4, 32, 1, d, dtype=dtype, device=meta)
-    cache = torch.empty(4, 8, 32768, d, dtype=dtype, device=meta)
-    calls = calls_of(lambda: fa.flash_attention_forward(q1, cache, cache, True, 0.1))
-    launch = _to_launch("attention.decode_split", "4x32(8kv) 1 query x 32768 cache bf16", calls[0],
-                        flops=4 * 4 * 32 * 32768 * d)
-    launch.bytes_moved = 2 * _nbytes(cache)  # K and V read once: the compulsory traffic
-    out.append(launch)
-    out.append(_to_launch("attention.decode_combine", "4x32 heads, 1 query", calls[1]))
+    for op in _registry.ops():
+        for case in op.sass_cases(quick) if op.sass_cases else ():
+            with case.context():
+                calls = capture(case.run, cap)
+            for row in case.launches:
+                launch = _to_launch(row.kernel, case.case, calls[row.index], flops=row.flops)
+                if case.bytes_moved is not None:
+                    launch.bytes_moved = case.bytes_moved
+                out.append(launch)
     return out
 
 

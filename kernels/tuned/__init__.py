@@ -30,17 +30,23 @@ from pathlib import Path
 
 import torch
 
+from .. import _registry
+
 VERSION = 1
 TUNED_DIR = Path(__file__).parent
 
-#: Tunable fields per kernel (every field of an entry must be one of these).
-FIELDS = {
-    "attention_fwd": ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA"),
-    "attention_bwd": ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA"),
-    "rms_norm": ("BLOCK_M", "num_warps"),
-    "rope": ("BLOCK_S", "HEADS", "num_warps"),
-    "swiglu": ("BLOCK", "num_warps"),
-}
+
+
+def fields() -> dict[str, tuple[str, ...]]:
+    """Tunable fields per kernel, as the ops register them (every field of an entry must be one of these)."""
+    return {name: t.fields for name, t in _registry.tunables().items()}
+
+
+def __getattr__(name):
+    if name == "FIELDS":  # the registry's view, read when asked (the ops register after this module loads)
+        return fields()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 _POW2_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_S", "BLOCK", "HEADS", "num_warps")
 _LIMITS = {"BLOCK_M": (1, 256), "BLOCK_N": (16, 256), "BLOCK_S": (1, 256), "BLOCK": (128, 16384), "HEADS": (1, 64),
            "num_warps": (1, 16), "num_stages": (1, 8), "TMA": (0, 1)}
@@ -65,17 +71,18 @@ def validate(table: dict, source: str = "<table>") -> dict:
     kernels = table.get("kernels")
     if not isinstance(kernels, dict):
         raise bad("\"kernels\" must be an object of kernel -> {shape key -> config}")
+    known = fields()
     for kernel, entries in kernels.items():
-        if kernel not in FIELDS:
-            raise bad(f"unknown kernel {kernel!r} (known: {', '.join(FIELDS)})")
+        if kernel not in known:
+            raise bad(f"unknown kernel {kernel!r} (known: {', '.join(known)})")
         if not isinstance(entries, dict):
             raise bad(f"{kernel}: must map shape keys to configs")
         for key, cfg in entries.items():
             if not isinstance(cfg, dict) or not cfg:
                 raise bad(f"{kernel}[{key!r}]: a config must be a non-empty object")
             for name, value in cfg.items():
-                if name not in FIELDS[kernel]:
-                    raise bad(f"{kernel}[{key!r}]: unknown field {name!r} (fields: {', '.join(FIELDS[kernel])})")
+                if name not in known[kernel]:
+                    raise bad(f"{kernel}[{key!r}]: unknown field {name!r} (fields: {', '.join(known[kernel])})")
                 lo, hi = _LIMITS[name]
                 if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
                     raise bad(f"{kernel}[{key!r}].{name} = {value!r}: must be an int in [{lo}, {hi}]")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .flash_attention import FlashAttention
+from .launch import FlashAttention
 
 
 def _unsupported(op: str, dropout_p, softcap, alibi_slopes, return_attn_probs, block_table=None) -> None:

@@ -8,8 +8,8 @@ import math
 
 import torch
 
-from ._common import first_order_backward
-from .flash_attention import check_attention_inputs
+from .._common import first_order_backward
+from .launch import check_attention_inputs
 
 TILE_Q = 16
 TILE_K = 16

@@ -1,0 +1,91 @@
+"""Flash-decoding: few queries against a long KV cache, the keys split over programs.
+
+The forward kernel runs with ``SPLIT_KV`` (each program one slice of the keys, fp32 partial ``O_s`` and ``L_s``
+per split), then ``_split_combine_kernel`` merges the splits of one (batch, head) by their logsumexps:
+``L = log Σ_s exp(L_s)``, ``O = Σ_s exp(L_s - L) O_s``. Splits are chosen so about two programs run on every SM.
+Paged-KV decoding lands here too.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._common import ASSUMED_SM_COUNT, MAX_GRID_AXIS1, on_gpu, sm_count
+from .forward import _fwd_kernel
+from .layout import _block_d, _strides3
+from .tiles import LOG2E
+
+#: Flash-decoding: at most this many queries per (batch, head), at least this many keys, before the keys are
+#: split across programs whose partial results a second kernel combines by their logsumexps.
+DECODE_MAX_QUERIES = 16
+DECODE_MIN_KEYS = 2048
+#: (BLOCK_M, BLOCK_N, num_warps, num_stages) of a split: 16-query tiles (the smallest tl.dot), and the
+#: interpreter's smaller key tiles.
+DECODE_CONFIG = (16, 64, 4, 3)
+DECODE_INTERPRETER_CONFIG = (16, 32, 4, 1)
+
+
+def _decode_splits(n_bh: int, n_q: int, n_k: int, block_n: int, device: torch.device) -> int:
+    """Key splits per (batch, head): 1 (no split) unless few queries meet a long cache; then enough programs
+    to put about two on every SM, never more than there are key tiles."""
+    if n_q > DECODE_MAX_QUERIES or n_k < DECODE_MIN_KEYS or n_bh > MAX_GRID_AXIS1:
+        return 1
+    if not on_gpu(device):  # interpreter: no parallelism to win, but the path runs (a split per 2 key tiles)
+        return max(1, min(8, triton.cdiv(n_k, 2 * block_n)))
+    sms = sm_count(device.index or 0) if device.type == "cuda" else ASSUMED_SM_COUNT
+    return max(1, min(triton.cdiv(2 * sms, n_bh), triton.cdiv(n_k, block_n)))
+
+
+def split_kv_forward(args, o4, lse, lse_strides, splits, h, group, n_q, n_k, d, softmax_scale, win_left,
+                     win_right, common, device):
+    """Run the split forward and the combine for a dense batch. ``args(o, lse, o_strides, lse_strides)`` gives the
+    forward kernel's leading arguments; ``common`` its shared constexprs."""
+    b_h = o4.shape[0] * h
+    block_m, block_n, warps, stages = DECODE_CONFIG if on_gpu(device) else DECODE_INTERPRETER_CONFIG
+    # every split but the last covers a whole number of key tiles
+    split_size = triton.cdiv(triton.cdiv(n_k, splits), block_n) * block_n
+    splits = triton.cdiv(n_k, split_size)
+    o_part = torch.empty(splits, b_h, block_m, _block_d(d), dtype=torch.float32, device=device)
+    lse_part = torch.empty(splits, b_h, block_m, dtype=torch.float32, device=device)
+    _fwd_kernel[(splits, b_h)](
+        *args(o_part, lse_part, (0, 0, 0), (0, 0)), h, group, 0, n_q, n_k, d, softmax_scale * LOG2E,
+        win_left, win_right, split_size, SPLIT_KV=True, BLOCK_M=block_m, BLOCK_N=block_n, **common,
+        num_warps=warps, num_stages=stages)
+    _split_combine_kernel[(b_h,)](o_part, lse_part, o4, lse, *_strides3(o4), *lse_strides, h, splits, b_h,
+                                  n_q, d, BLOCK_M=block_m, BLOCK_D=_block_d(d), num_warps=4)
+
+
+@triton.jit
+def _split_combine_kernel(O_PART, LSE_PART, O, LSE, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+                          n_heads, n_splits, n_bh, n_q, d_head, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Flash-decoding combine for one (batch, head): ``L = log Σ_s exp(L_s)``, ``O = Σ_s exp(L_s - L) O_s``
+    over the key splits (a split that saw no key has L_s = -inf and weight 0)."""
+    pid_bh = tl.program_id(0)
+    b = (pid_bh // n_heads).to(tl.int64)
+    h = (pid_bh % n_heads).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    s = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for split in range(0, n_splits):
+        part = (split * n_bh + pid_bh).to(tl.int64) * BLOCK_M
+        lse_s = tl.load(LSE_PART + part + offs_m)
+        o_s = tl.load(O_PART + (part + offs_m)[:, None] * BLOCK_D + offs_d[None, :])
+        m_new = tl.maximum(m, lse_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        w = tl.exp(lse_s - m_safe)
+        s = s * alpha + w
+        acc = acc * alpha[:, None] + o_s * w[:, None]
+        m = m_new
+    empty = s == 0.0
+    s_safe = tl.where(empty, 1.0, s)
+    lse = tl.where(empty, float("-inf"), m + tl.log(s_safe))
+    mask = (offs_m[:, None] < n_q) & (offs_d[None, :] < d_head)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :],
+             (acc / s_safe[:, None]).to(O.dtype.element_ty), mask=mask)
+    tl.store(LSE + b * stride_lb + h * stride_lh + offs_m, lse, mask=offs_m < n_q)
+

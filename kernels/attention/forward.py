@@ -1,0 +1,189 @@
+"""Attention forward kernels (Triton ``@jit`` code only; launched from :mod:`.launch`).
+
+One program owns a ``BLOCK_M`` tile of queries of one (batch, head) and walks the key tiles its causal / window
+bounds allow (:func:`.tiles._key_ranges`): full tiles without index comparisons, boundary tiles with a mask. The
+online softmax keeps a running max ``m`` and sum ``l`` in fp32 (base-2 exponentials, ``log2(e)`` folded into the
+scale) and stores ``O`` and the logsumexp ``L = m + log(l)``. With ``SPLIT_KV`` the same kernel covers one slice of
+the keys and writes fp32 partials for the flash-decoding combine (:mod:`.decode`). ``_fwd_kernel_tma`` is the dense
+forward with Hopper TMA descriptor loads, run only when a tuned table asks for it.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .tiles import (
+    _box,
+    _dense_query_program,
+    _desc,
+    _key_ranges,
+    _load_kv,
+    _query_tile_start,
+    _sequence,
+    _visible,
+)
+
+
+@triton.jit
+def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
+               key_start, key_end, n_k, shift, win_left, win_right, qk_scale,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
+               EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold key tiles ``[key_start, key_end)`` into the running (acc, m_i, l_i)."""
+    # the tile's first row advances by BLOCK_N rows per step (64-bit, one row of pointers); rows within a tile are
+    # loop-invariant 32-bit offsets: no 64-bit multiply per row and no 2-D pointer tensor held across steps
+    # Row offsets are recomputed per tile rather than carried as pointers advanced by BLOCK_N rows: measured in
+    # the SASS report, advancing them cost registers (sm_90, bf16: d 128 197 -> 245, split-KV decode 140 -> 224)
+    # and spilled on sm_80 at d 128; the recomputation is a few integer ops the pipeliner hides.
+    for start_n in range(key_start, key_end, BLOCK_N):
+        keys = start_n + offs_n
+        k, v = _load_kv(k_ptrs + keys[:, None].to(tl.int64) * stride_kn, v_ptrs + keys[:, None].to(tl.int64) * stride_vn,
+                        keys, n_k, d_mask, MASKED, EVEN_D)
+        # ---- scores in log2 units (the scale multiplies the fp32 scores: folding it into Q once measured worse in
+        # the SASS report, sm_90 d 128: 197 -> 235 registers, as Q then feeds the wgmma from registers)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            s = tl.where(_visible(offs_m, keys, n_k, shift, win_left, win_right, CAUSAL, WINDOW), s, float("-inf"))
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION=DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION: tl.constexpr):
+    """Fold one tile of scores ``s`` (log2 units) and its values into the running (acc, m_i, l_i); a row that has
+    seen no key keeps m = -inf, so 0 is subtracted instead."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, O, LSE, CU_Q, CU_K,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+    n_heads, group, bh_start, n_q, n_k, d_head, qk_scale, win_left, win_right, split_size,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, SPLIT_KV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # EVEN_D: the head dim fills BLOCK_D, so whole K/V tiles load without a mask
+    # SPLIT_KV (decoding): grid axis 0 is the key split, not the query tile; the one query tile holds every query
+    # and the program writes an unnormalised partial result (acc / l, and its lse) for the combine kernel
+    pid_bh = tl.program_id(1) + bh_start
+    b, h, q_start, n_q, k_start, n_k = _sequence(pid_bh, n_heads, CU_Q, CU_K, n_q, n_k, VARLEN)
+    if SPLIT_KV:
+        start_m = 0
+    else:
+        start_m = _query_tile_start(tl.program_id(0), n_q, CAUSAL, BLOCK_M)
+    h_kv = h // group  # GQA: consecutive query heads share one key/value head
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < d_head
+    if EVEN_D:  # the head dim fills the tile: an all-true constant, so every mask below is rows only
+        d_mask = tl.full([BLOCK_D], 1, tl.int1)
+    row_valid = (offs_m >= 0) & (offs_m < n_q)
+    q_mask = row_valid[:, None] & d_mask[None, :]
+    rows = (q_start + offs_m).to(tl.int64)
+
+    # ---- load the query tile once
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :], mask=q_mask,
+                other=0.0)
+    k_ptrs = K + b * stride_kb + h_kv * stride_kh + k_start * stride_kn + offs_d[None, :]
+    v_ptrs = V + b * stride_vb + h_kv * stride_vh + k_start * stride_vn + offs_d[None, :]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # ---- key ranges: masked head, unmasked middle, masked tail (window / diagonal / ragged edge)
+    shift = n_k - n_q
+    key_lo, full_lo, full_hi, key_hi = _key_ranges(start_m, n_q, n_k, win_left, win_right, BLOCK_M, BLOCK_N)
+    if SPLIT_KV:
+        # this program's share of the keys: [split, split + split_size), split_size a multiple of BLOCK_N
+        split_lo = tl.program_id(0) * split_size
+        split_hi = split_lo + split_size
+        key_hi = tl.maximum(tl.minimum(key_hi, split_hi), split_lo)
+        key_lo = tl.minimum(tl.maximum(key_lo, split_lo), key_hi)
+        full_lo = tl.minimum(tl.maximum(full_lo, key_lo), key_hi)
+        full_hi = tl.maximum(tl.minimum(full_hi, key_hi), full_lo)
+    if WINDOW or SPLIT_KV:  # (without a left bound, or a split start, the masked head range is empty)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
+                                   key_lo, full_lo, n_k, shift, win_left, win_right, qk_scale,
+                                   MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
+                               full_lo, full_hi, n_k, shift, win_left, win_right, qk_scale,
+                               MASKED=False, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
+                               full_hi, key_hi, n_k, shift, win_left, win_right, qk_scale,
+                               MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION)
+
+    # ---- epilogue: normalise; rows without a visible key give 0 and L = -inf
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    if SPLIT_KV:
+        # partials: O[split, b*h, row, d] fp32 and LSE[split, b*h, row], combined by _split_combine_kernel
+        part = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * BLOCK_M
+        tl.store(O + (part + tl.arange(0, BLOCK_M))[:, None] * BLOCK_D + offs_d[None, :], out)
+        tl.store(LSE + part + tl.arange(0, BLOCK_M), lse)
+    else:
+        o_ptrs = O + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_d[None, :]
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=q_mask)
+        tl.store(LSE + b * stride_lb + h * stride_lh + q_start + offs_m, lse, mask=row_valid)
+
+
+
+@triton.jit
+def _fwd_kernel_tma(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+    n_batch, n_heads, n_kv_heads, group, n_q, n_k, d_head, qk_scale,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The dense forward (no window, no packing) with Hopper tensor-memory-accelerator loads: each tile is one
+    ``[1, 1, rows, BLOCK_D]`` box of a 4-D ``[batch, heads, seq, d]`` descriptor. The TMA unit zero-fills rows
+    and columns outside the tensor, so no load needs a mask; only the causal diagonal masks scores."""
+    b, h, h_kv, start_m = _dense_query_program(n_heads, group, n_q, CAUSAL, BLOCK_M)
+    # ---- descriptors over the whole tensors (shape, strides in elements, box shape)
+    q_desc = _desc(Q, n_batch, n_heads, n_q, d_head, stride_qb, stride_qh, stride_qm, BLOCK_M, BLOCK_D)
+    k_desc = _desc(K, n_batch, n_kv_heads, n_k, d_head, stride_kb, stride_kh, stride_kn, BLOCK_N, BLOCK_D)
+    v_desc = _desc(V, n_batch, n_kv_heads, n_k, d_head, stride_vb, stride_vh, stride_vn, BLOCK_N, BLOCK_D)
+    o_desc = _desc(O, n_batch, n_heads, n_q, d_head, stride_ob, stride_oh, stride_om, BLOCK_M, BLOCK_D)
+    q = _box(q_desc, b, h, start_m, BLOCK_M, BLOCK_D)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    shift = n_k - n_q
+    unbounded = 1 << 30
+    key_lo, full_lo, full_hi, key_hi = _key_ranges(start_m, n_q, n_k, unbounded, 0 if CAUSAL else unbounded,
+                                                   BLOCK_M, BLOCK_N)
+    # ---- key tiles: the unmasked middle, then the masked diagonal / ragged tail (no left bound: no masked head)
+    for start_n in range(full_lo, key_hi, BLOCK_N):
+        k = _box(k_desc, b, h_kv, start_n, BLOCK_N, BLOCK_D)
+        v = _box(v_desc, b, h_kv, start_n, BLOCK_N, BLOCK_D)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if start_n >= full_hi:
+            keys = start_n + offs_n
+            s = tl.where(_visible(offs_m, keys, n_k, shift, 0, 0, CAUSAL, False), s, float("-inf"))
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION=DOT_PRECISION)
+    # ---- epilogue: rows without a visible key give 0 and L = -inf; the store clips rows past n_q
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    o_desc.store([b, h, start_m, 0], tl.reshape(out.to(O.dtype.element_ty), (1, 1, BLOCK_M, BLOCK_D)))
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    tl.store(LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + offs_m, lse,
+             mask=(offs_m >= 0) & (offs_m < n_q))
+

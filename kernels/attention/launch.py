@@ -1,0 +1,385 @@
+"""Attention launch: tile tables, the launchers of the forward and backward kernels, the custom ops
+(opaque to ``torch.compile``) and the autograd Function.
+
+Tile sizes and warps (:func:`_fwd_config`, :func:`_bwd_config`) are a table by head dim and dtype, chosen so the
+sm_90/sm_80 builds use tensor cores without spilling (``tritonlm kernels --report`` prints the evidence); causal
+query tiles are scheduled longest-first (the last query tiles see the most keys) so the tail of the grid is short
+tiles. A tuned table measured on a GPU (``kernels/tuned``) may replace them per GPU, dtype and head dim. Few
+queries against a long cache go to :mod:`.decode`; the TMA kernels run only when a tuned table asks for them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+
+from .. import tuned
+from .._common import (
+    MAX_GRID_AXIS1,
+    check_device,
+    check_float,
+    first_order_backward,
+    gpu_capability,
+    grid_axis1_launches,
+    next_pow2,
+    on_gpu,
+    use_custom_op,
+)
+from .._ranges import kernel_range
+from . import decode
+from .backward import (
+    _bwd_dkdv_kernel,
+    _bwd_dkdv_kernel_tma,
+    _bwd_dq_kernel,
+    _bwd_dq_kernel_tma,
+    _bwd_preprocess,
+)
+from .forward import _fwd_kernel, _fwd_kernel_tma
+from .layout import _as_4d, _block_d, _dot_precision, _empty_4d_like, _has_window, _strides3, _window
+from .tiles import LOG2E
+
+# ----------------------------------------------------------------------------------------------------
+# launch configuration
+# ----------------------------------------------------------------------------------------------------
+FWD_CONFIGS = {16: (128, 64, 4, 3), 32: (128, 64, 4, 3), 64: (128, 64, 4, 3), 128: (128, 64, 8, 3),
+               256: (64, 32, 8, 2)}
+#: fp32 under torch's "highest" matmul precision (IEEE dots, FMA units): measured spill-free at d <= 64 with
+#: 64x16 tiles (sm_90 222 registers, sm_80 128). At d 128 every tile tried spills on sm_90 (16x32: 184 B, the
+#: least; 32x32: 408 B; 64x32: 7 KB) and none on sm_80 -- "high" (TF32) is the fast fp32 setting there.
+IEEE_FWD_CONFIGS = {16: (64, 16, 4, 2), 32: (64, 16, 4, 2), 64: (64, 16, 4, 2), 128: (16, 32, 4, 2)}
+#: (BLOCK_M, BLOCK_N, num_warps, num_stages) for both backward kernels: the dK/dV kernel holds
+#: K, V, dK, dV for BLOCK_N keys, the dQ kernel Q, dO, dQ for BLOCK_M queries.
+#: Evidence (profiles/sass/REPORT.md, bf16, seq 4096): d 64 -> fwd 231 regs sm_90 (HGMMA) / 255 sm_80 (HMMA),
+#: dK/dV 233 / 255, dQ 150 / 255, no spills; d 128 with 8 warps -> fwd 188 / 214, dK/dV 249 / 255, dQ 180 /
+#: 177, no spills. d 256: 64-row wgmma tiles spill heavily in the backward (hundreds of LDL/STL), so it keeps
+#: 32-row tiles, spill-free, on mma (HMMA) even on sm_90.
+BWD_CONFIGS = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 2), 128: (64, 64, 8, 2),
+               256: (32, 32, 8, 1)}
+#: Ampere (sm_80) overrides: at d 64 the 64x64 backward tiles need all 255 registers and spill a little
+#: there (16-40 bytes of stack); 32-query tiles are spill-free (sm_90 keeps 64 rows for wgmma).
+BWD_CONFIGS_SM80 = {64: (32, 64, 4, 2)}
+#: The interpreter runs whole tiles as numpy ops: larger tiles are fewer, faster steps.
+INTERPRETER_CONFIG = (32, 32, 4, 1)
+
+
+_CONFIG_FIELDS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+
+
+def _tuned(kernel: str, d: int, dtype: torch.dtype, device: torch.device, shipped: tuple) -> tuple[int, int, int, int]:
+    """The shipped ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``, unless a tuned table (``kernels/tuned``, from a
+    GPU run of the suite's sweep) or a sweep override has an entry for this GPU, dtype and head dim."""
+    cfg = tuned.choose(kernel, f"{tuned.dtype_name(dtype)}-d{_block_d(d)}", device, dict(zip(_CONFIG_FIELDS, shipped)))
+    return tuple(cfg[f] for f in _CONFIG_FIELDS)
+
+
+def _tma_selected(d: int, dtype: torch.dtype, device: torch.device, kernel: str = "attention_fwd") -> bool:
+    """Whether a tuned table (or the sweep) asks for the TMA variant of ``kernel`` here; never by default. Hopper
+    (sm_90+) or the interpreter (which emulates descriptors) only."""
+    chosen = tuned.choose(kernel, f"{tuned.dtype_name(dtype)}-d{_block_d(d)}", device, {"TMA": 0})["TMA"]
+    # cuda: the device's capability; meta (the SASS report): the assumed target; cpu: the interpreter
+    hopper = device.type == "cpu" or gpu_capability(device) >= 90
+    return bool(chosen) and hopper
+
+
+def _tma_ready(*views: torch.Tensor) -> bool:
+    """TMA descriptors need 16-byte aligned base addresses and strides (the last stride 1)."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(-1) == 1
+               and all((st * t.element_size()) % 16 == 0 for st in t.stride()[:-1]) for t in views)
+
+
+_TMA_ALLOCATOR_SET = False
+
+
+def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    # the kernel runs on the current CUDA device (CPU under the interpreter, which emulates descriptors)
+    on_cuda = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    return torch.empty(size, dtype=torch.int8, device="cuda" if on_cuda else "cpu")
+
+
+def _set_tma_allocator(device: torch.device) -> None:
+    """Descriptors made inside a kernel need a little global scratch memory, allocated through Triton's hook:
+    registered once per process, not on every launch."""
+    global _TMA_ALLOCATOR_SET
+    if not _TMA_ALLOCATOR_SET:
+        triton.set_allocator(_tma_scratch)
+        _TMA_ALLOCATOR_SET = True
+
+
+def _fwd_config(d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
+    if not on_gpu(device):
+        return _tuned("attention_fwd", d, dtype, device, INTERPRETER_CONFIG)
+    block_m, block_n, warps, stages = FWD_CONFIGS[_block_d(d)]
+    if dtype == torch.float32:
+        if _dot_precision(dtype)["DOT_PRECISION"] == "ieee":
+            # IEEE fp32 dots run on FMA units, not tensor cores: smaller tiles (SASS report rows)
+            return _tuned("attention_fwd", d, dtype, device, IEEE_FWD_CONFIGS.get(_block_d(d), (16, 32, 4, 2)))
+        block_n = max(16, block_n // 2)
+    return _tuned("attention_fwd", d, dtype, device, (block_m, block_n, warps, stages))
+
+
+def _bwd_config(d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
+    if not on_gpu(device):
+        return _tuned("attention_bwd", d, dtype, device, INTERPRETER_CONFIG)
+    table = BWD_CONFIGS_SM80 if gpu_capability(device) < 90 else {}
+    block_m, block_n, warps, stages = table.get(_block_d(d), BWD_CONFIGS[_block_d(d)])
+    if dtype == torch.float32:
+        block_m, block_n = max(16, block_m // 2), max(16, block_n // 2)
+    return _tuned("attention_bwd", d, dtype, device, (block_m, block_n, warps, stages))
+
+
+def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, window=(-1, -1),
+                            cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0):
+    """Returns ``(o, lse)``: ``o`` like ``q``; ``lse`` fp32 ``q.shape[:-1]`` for batches, ``[heads, total_q]``
+    for packed sequences (``cu_seqlens_*`` given, ``q[total_q, heads, d]``)."""
+    packed = cu_seqlens_q is not None
+    q4, k4, v4 = (_as_4d(t, packed) for t in (q, k, v))
+    b, h, n_q, d = q4.shape
+    n_k, group = k4.shape[2], h // k4.shape[1]
+    o, o4 = _empty_4d_like(q, packed)
+    if packed:
+        b, n_q, n_k = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
+        lse = torch.empty(h, q.shape[0], dtype=torch.float32, device=q.device)
+        lse_strides = (0, lse.stride(0))
+    else:
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        lse_strides = (h * n_q, n_q)
+    if q.numel() == 0 or b == 0:
+        return o, lse
+    if n_k == 0 or k.numel() == 0:
+        o.zero_()
+        lse.fill_(float("-inf"))
+        return o, lse
+    win_left, win_right = _window(is_causal, window, n_q, n_k)
+    cu_q = cu_seqlens_q if packed else lse  # (unused pointer for batches)
+    cu_k = cu_seqlens_k if packed else lse
+    common = dict(CAUSAL=is_causal, WINDOW=_has_window(is_causal, window), VARLEN=packed, BLOCK_D=_block_d(d),
+                  EVEN_D=d == _block_d(d), **_dot_precision(q.dtype))
+    args = lambda o_arg, lse_arg, o_strides, l_strides: (  # noqa: E731
+        q4, k4, v4, o_arg, lse_arg, cu_q, cu_k, *_strides3(q4, packed), *_strides3(k4, packed),
+        *_strides3(v4, packed), *o_strides, *l_strides)
+    splits = 1 if packed else decode._decode_splits(b * h, n_q, n_k, decode.DECODE_CONFIG[1], q.device)
+    if splits > 1:
+        # ---- flash-decoding: keys split over programs, partials combined by their logsumexps
+        decode.split_kv_forward(args, o4, lse, lse_strides, splits, h, group, n_q, n_k, d, softmax_scale, win_left,
+                                win_right, common, q.device)
+        return o, lse
+    block_m, block_n, warps, stages = _fwd_config(d, q.dtype, q.device)
+    if (not packed and not common["WINDOW"] and _tma_selected(d, q.dtype, q.device) and b * h <= MAX_GRID_AXIS1
+            and _tma_ready(q4, k4, v4, o4)):
+        # ---- Hopper TMA variant (chosen only by a tuned table / the sweep): dense attention, descriptor loads;
+        # descriptors index whole tensors, so it runs as one launch (more batch x heads keep the default kernel)
+        _set_tma_allocator(q.device)
+        _fwd_kernel_tma[(triton.cdiv(n_q, block_m), b * h)](
+            q4, k4, v4, o4, lse, *_strides3(q4), *_strides3(k4), *_strides3(v4), *_strides3(o4), *lse_strides,
+            b, h, k4.shape[1], group, n_q, n_k, d, softmax_scale * LOG2E, CAUSAL=is_causal, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_D=_block_d(d), num_warps=warps, num_stages=stages, **_dot_precision(q.dtype))
+        return o, lse
+    if (packed or common["WINDOW"]) and on_gpu(q.device) and gpu_capability(q.device) < 90 and d > 64:
+        # sm_80 at d 128: the packed / windowed forward's extra range bookkeeping spills with 64-key tiles
+        # (40 / 16 bytes in the SASS report); 32-key tiles are spill-free
+        block_n = min(block_n, 32)
+    if n_q < block_m:  # few queries (decoding against a short cache): a smaller query tile wastes less
+        block_m = max(16, next_pow2(n_q))
+    for bh_start, n_bh in grid_axis1_launches(b * h):
+        _fwd_kernel[(triton.cdiv(n_q, block_m), n_bh)](
+            *args(o4, lse, _strides3(o4, packed), lse_strides), h, group, bh_start, n_q, n_k, d,
+            softmax_scale * LOG2E, win_left, win_right, 0, SPLIT_KV=False, BLOCK_M=block_m, BLOCK_N=block_n,
+            **common, num_warps=warps, num_stages=stages)
+    return o, lse
+
+
+def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale: float, window=(-1, -1),
+                             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+                             deterministic: bool = True):
+    """Returns ``(dq, dk, dv)`` laid out like q, k, v. ``deterministic=False`` accumulates dQ with fp32 atomics
+    inside the dK/dV kernel instead of running the dQ kernel (fewer matmuls; summation order varies by run)."""
+    packed = cu_seqlens_q is not None
+    q4, k4, v4, o4, do4 = (_as_4d(t, packed) for t in (q, k, v, o, do))
+    b, h, n_q, d = q4.shape
+    n_k, h_kv = k4.shape[2], k4.shape[1]
+    group = h // h_kv
+    dq, dq4 = _empty_4d_like(q, packed)
+    dk, dk4 = _empty_4d_like(k, packed)
+    dv, dv4 = _empty_4d_like(v, packed)
+    if packed:
+        b, n_q, n_k = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
+        lse_strides = (0, lse.stride(0))
+    else:
+        lse_strides = (h * n_q, n_q)
+    if q.numel() == 0 or k.numel() == 0 or b == 0 or n_k == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    if packed:
+        dk.zero_()  # keys of empty or unseen packed sequences get no program that writes them
+        dv.zero_()
+    win_left, win_right = _window(is_causal, window, n_q, n_k)
+    cu_q = cu_seqlens_q if packed else lse
+    cu_k = cu_seqlens_k if packed else lse
+    block_d = _block_d(d)
+    delta = torch.empty_like(lse)
+    pre_m = 64
+    block_m, block_n, warps, stages = _bwd_config(d, q.dtype, q.device)
+    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, VARLEN=packed, CAUSAL=is_causal,
+                 WINDOW=_has_window(is_causal, window), num_warps=warps, num_stages=stages,
+                 **_dot_precision(q.dtype))
+    qk_scale = softmax_scale * LOG2E
+    q_s, k_s, v_s, do_s = (_strides3(t, packed) for t in (q4, k4, v4, do4))
+    for bh_start, n_bh in grid_axis1_launches(b * h):
+        _bwd_preprocess[(triton.cdiv(n_q, pre_m), n_bh)](
+            o4, do4, delta, cu_q, cu_k, *_strides3(o4, packed), *do_s, *lse_strides, h, bh_start, n_q, d,
+            VARLEN=packed, BLOCK_M=pre_m, BLOCK_D=block_d)
+    if (deterministic and not packed and not tiles["WINDOW"] and _tma_selected(d, q.dtype, q.device, "attention_bwd")
+            and b * max(h, h_kv) <= MAX_GRID_AXIS1 and _tma_ready(q4, k4, v4, do4, dq4, dk4, dv4)):
+        # ---- Hopper TMA variant (chosen only by a tuned table / the sweep): descriptor loads, same math
+        _set_tma_allocator(q.device)
+        shapes = (b, h, h_kv, group, n_q, n_k, d, qk_scale, softmax_scale)
+        opts = dict(CAUSAL=is_causal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps,
+                    num_stages=stages, **_dot_precision(q.dtype))
+        _bwd_dkdv_kernel_tma[(triton.cdiv(n_k, block_n), b * h_kv)](
+            q4, k4, v4, do4, lse, delta, dk4, dv4, *q_s, *k_s, *v_s, *do_s, *_strides3(dk4), *_strides3(dv4),
+            *lse_strides, *shapes, **opts)
+        _bwd_dq_kernel_tma[(triton.cdiv(n_q, block_m), b * h)](
+            q4, k4, v4, do4, lse, delta, dq4, *q_s, *k_s, *v_s, *do_s, *_strides3(dq4), *lse_strides, *shapes, **opts)
+        return dq, dk, dv
+    if not deterministic and block_d >= 128 and on_gpu(q.device):
+        # the atomic variant holds a dQ tile besides dK/dV: 64-query tiles spill at d 128 (80 B on sm_90)
+        block_m = min(block_m, 32)
+        tiles["BLOCK_M"] = block_m
+    # dK/dV: one program per (key tile, batch, kv head), summing its group of query heads (needs every D above);
+    # non-deterministic variant: an fp32 dQ buffer laid out [b, h, rows, d] like q4 that the dK/dV kernel adds into
+    dq_acc = torch.zeros(q4.shape, dtype=torch.float32, device=q.device) if not deterministic else dq4
+    for bh_start, n_bh in grid_axis1_launches(b * h_kv):
+        _bwd_dkdv_kernel[(triton.cdiv(n_k, block_n), n_bh)](
+            q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc, cu_q, cu_k, *q_s, *k_s, *v_s, *do_s,
+            *_strides3(dk4, packed), *_strides3(dv4, packed), *lse_strides, *_strides3(dq_acc, packed),
+            h_kv, group, bh_start, n_q, n_k, d, qk_scale, softmax_scale, win_left, win_right, GQA=group > 1,
+            ATOMIC_DQ=not deterministic, EVEN_D=d == block_d, **tiles)
+    if not deterministic:
+        dq4.copy_(dq_acc.mul_(softmax_scale))
+        return dq, dk, dv
+    for bh_start, n_bh in grid_axis1_launches(b * h):
+        _bwd_dq_kernel[(triton.cdiv(n_q, block_m), n_bh)](
+            q4, k4, v4, do4, lse, delta, dq4, cu_q, cu_k, *q_s, *k_s, *v_s, *do_s, *_strides3(dq4, packed),
+            *lse_strides, h, group, bh_start, n_q, n_k, d, qk_scale, softmax_scale, win_left, win_right,
+            EVEN_D=d == block_d, **tiles)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------------
+# custom ops (opaque to torch.compile) and the autograd Function
+# ----------------------------------------------------------------------------------------------------
+@torch.library.custom_op("tritonlm::flash_attention_fwd", mutates_args=())
+def _fa_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, softmax_scale: float,
+               window_left: int, window_right: int, cu_seqlens_q: torch.Tensor | None,
+               cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    return flash_attention_forward(q, k, v, is_causal, softmax_scale, (window_left, window_right), cu_seqlens_q,
+                                   cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+@_fa_fwd_op.register_fake
+def _(q, k, v, is_causal, softmax_scale, window_left, window_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+      max_seqlen_k):
+    packed = cu_seqlens_q is not None
+    lse_shape = (q.shape[1], q.shape[0]) if packed else q.shape[:-1]
+    return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("tritonlm::flash_attention_bwd", mutates_args=())
+def _fa_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+               lse: torch.Tensor, is_causal: bool, softmax_scale: float, window_left: int, window_right: int,
+               cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
+               max_seqlen_k: int, deterministic: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return flash_attention_backward(do, q, k, v, o, lse, is_causal, softmax_scale, (window_left, window_right),
+                                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic)
+
+
+@_fa_bwd_op.register_fake
+def _(do, q, k, v, o, lse, is_causal, softmax_scale, window_left, window_right, cu_seqlens_q, cu_seqlens_k,
+      max_seqlen_q, max_seqlen_k, deterministic=True):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def check_attention_inputs(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Shared by both Functions: matching leading dims, head dims, dtypes and devices."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not t.is_floating_point():
+            raise TypeError(f"{op}: {name} must be floating point, got {t.dtype}")
+        if t.dim() < 2:
+            raise ValueError(f"{op}: {name} must be [..., seq, d], got {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{op}: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{op}: q, k, v devices differ: {q.device}, {k.device}, {v.device}")
+    if q.shape[-1] != k.shape[-1] or k.shape[-1] != v.shape[-1]:
+        raise ValueError(f"{op}: head dims differ: q {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"{op}: k has {k.shape[-2]} keys but v has {v.shape[-2]}")
+    if k.shape[:-2] != v.shape[:-2]:
+        raise ValueError(f"{op}: k and v leading dims differ: {tuple(k.shape[:-2])} vs {tuple(v.shape[:-2])}")
+    if q.shape[:-2] != k.shape[:-2]:
+        # GQA / MQA: only the head dim (-3) may differ, and q's heads must be a multiple of k's
+        gqa = (q.dim() >= 3 and q.dim() == k.dim() and q.shape[:-3] == k.shape[:-3] and k.shape[-3] > 0
+               and q.shape[-3] % k.shape[-3] == 0)
+        if not gqa:
+            raise ValueError(f"{op}: leading dims differ: q {tuple(q.shape[:-2])}, k {tuple(k.shape[:-2])}, "
+                             f"v {tuple(v.shape[:-2])} (only the heads dim -3 may differ, q heads a multiple of "
+                             "k/v heads)")
+
+
+class FlashAttention(torch.autograd.Function):
+    """Triton FlashAttention-2: ``FlashAttention.apply(q, k, v, is_causal=False, softmax_scale=None)``.
+
+    ``q[..., n_q, d]``, ``k, v[..., n_k, d]``; k and v may have fewer heads (dim -3) than q (GQA / MQA: q heads
+    a multiple of kv heads, each kv head serving consecutive query heads, never repeated in memory). Saves q, k,
+    v, O and the logsumexp ``L`` (fp32, ``q.shape[:-1]``) and recomputes P from L in backward.
+
+    Internal extras (used by :func:`flash_attn_func` / :func:`flash_attn_varlen_func`): ``window=(left, right)``
+    (-1 = unbounded, flash-attn's convention) and packed sequences (``cu_seqlens_q/k`` with ``q[total, heads, d]``).
+    ``deterministic=False`` (the last argument) selects the backward that adds dQ with atomics inside the dK/dV
+    kernel (fewer matmuls, run-to-run summation order varies); the default keeps every gradient deterministic.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal=False, softmax_scale=None, window=None, cu_seqlens_q=None,
+                cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, deterministic=True):
+        if cu_seqlens_q is None:
+            check_attention_inputs("FlashAttention", q, k, v)
+        check_float("FlashAttention", q)
+        check_device("FlashAttention", q, k, v)
+        d = q.shape[-1]
+        if d > 256:
+            raise ValueError(f"FlashAttention: head dim {d} > 256 is not supported")
+        scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
+        window = (-1, -1) if window is None else (int(window[0]), int(window[1]))
+        extra = (window[0], window[1], cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
+        with kernel_range("tritonlm::flash_attention_fwd"):
+            if use_custom_op(q):
+                o, lse = _fa_fwd_op(q, k, v, bool(is_causal), scale, *extra)
+            else:
+                o, lse = flash_attention_forward(q, k, v, bool(is_causal), scale, window, *extra[2:])
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.is_causal, ctx.scale, ctx.extra, ctx.deterministic = bool(is_causal), scale, extra, bool(deterministic)
+        return o
+
+    @staticmethod
+    @first_order_backward
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        extra = ctx.extra
+        with kernel_range("tritonlm::flash_attention_bwd"):
+            if use_custom_op(q):
+                dq, dk, dv = _fa_bwd_op(do, q, k, v, o, lse, ctx.is_causal, ctx.scale, *extra, ctx.deterministic)
+            else:
+                dq, dk, dv = flash_attention_backward(do, q, k, v, o, lse, ctx.is_causal, ctx.scale, extra[:2],
+                                                      *extra[2:], deterministic=ctx.deterministic)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
+                    softmax_scale: float | None = None, *, deterministic: bool = True) -> torch.Tensor:
+    """Functional entry point: ``softmax(q kᵀ · scale [+ causal mask]) v`` via :class:`FlashAttention`.
+    ``deterministic=False``: the atomic-dQ backward (see :class:`FlashAttention`)."""
+    return FlashAttention.apply(q, k, v, is_causal, softmax_scale, None, None, None, 0, 0, deterministic)

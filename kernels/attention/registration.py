@@ -1,0 +1,167 @@
+"""Attention's registration: what the SASS report, the sweep and the GPU suite need (``kernels/_registry.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .. import _registry, tuned
+from .launch import (
+    _CONFIG_FIELDS,
+    _bwd_config,
+    _fwd_config,
+    flash_attention,
+    flash_attention_backward,
+    flash_attention_forward,
+)
+
+L = _registry.SassLaunch
+
+
+def _causal_pairs(n: int) -> int:
+    return n * (n + 1) // 2
+
+
+@contextlib.contextmanager
+def _fp32_matmul_precision(setting: str):
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(setting)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def _sass_cases(quick: bool) -> list[_registry.SassCase]:
+    """Causal batch 1 x 16 heads x 4096 at d 64 / 128, forward and each backward kernel (bf16; fp32 too in the full
+    report); the fp32 forward under both matmul precisions (quick); then, bf16 d 128: GQA, the TMA variants, packed
+    documents, a sliding window, and split-KV decoding with its combine kernel."""
+    meta = torch.device("meta")
+    cases = []
+    for dtype in _registry.SASS_DTYPES:
+        if quick and dtype != torch.bfloat16:
+            continue
+        for d in (64, 128):
+            b, h, n = 1, 16, 4096
+            case = f"{b}x{h}x{n}x{d} causal {_registry.dtype_label(dtype)}"
+            q = torch.empty(b, h, n, d, dtype=dtype, device=meta)
+            lse = torch.empty(b, h, n, dtype=torch.float32, device=meta)
+            flops = b * h * _causal_pairs(n) * d  # times 4 (forward), 8 (dK/dV), 6 (dQ), 10 (dK/dV + atomic dQ)
+            cases += [
+                _registry.SassCase(case, lambda q=q: flash_attention_forward(q, q, q, True, 0.1),
+                                   (L("attention.fwd", 0, 4 * flops),)),
+                _registry.SassCase(case, lambda q=q, lse=lse: flash_attention_backward(q, q, q, q, q, lse, True, 0.1),
+                                   (L("attention.bwd_preprocess", 0), L("attention.bwd_dkdv", 1, 8 * flops),
+                                    L("attention.bwd_dq", 2, 6 * flops))),
+                # the non-deterministic backward: dQ added with atomics inside the dK/dV kernel, no dQ kernel
+                _registry.SassCase(case, lambda q=q, lse=lse: flash_attention_backward(
+                    q, q, q, q, q, lse, True, 0.1, deterministic=False),
+                    (L("attention.bwd_dkdv_atomic_dq", 1, 10 * flops),)),
+            ]
+    if quick:
+        # fp32 forward at both precisions torch's fp32 matmul setting selects: IEEE (no TF32 MMA may appear in its
+        # SASS) and TF32 (where they must: the check can see them)
+        q32 = torch.empty(1, 16, 4096, 64, dtype=torch.float32, device=meta)
+        for setting in ("highest", "high"):
+            cases.append(_registry.SassCase(
+                f"1x16x4096x64 causal float32 ({setting})", lambda: flash_attention_forward(q32, q32, q32, True, 0.1),
+                (L("attention.fwd", 0, 4 * 16 * _causal_pairs(4096) * 64),),
+                context=lambda s=setting: _fp32_matmul_precision(s)))
+    # variants, bf16 d 128: GQA 32 q heads on 8 kv heads (4K), packed documents (8 x 1K in 8K tokens), a 1K sliding
+    # window, and split-KV decoding of 1 query against a 32K cache (batch 4)
+    dtype, d = torch.bfloat16, 128
+    q = torch.empty(1, 32, 4096, d, dtype=dtype, device=meta)
+    kv = torch.empty(1, 8, 4096, d, dtype=dtype, device=meta)
+    lse = torch.empty(1, 32, 4096, dtype=torch.float32, device=meta)
+    flops = 32 * _causal_pairs(4096) * d
+    gqa = "1x32(8kv)x4096x128 causal bf16"
+    cases += [
+        _registry.SassCase(gqa, lambda: flash_attention_forward(q, kv, kv, True, 0.1),
+                           (L("attention.gqa_fwd", 0, 4 * flops),)),
+        # the Hopper TMA variants (only a tuned table selects them): descriptor loads, UTMALDG in the sm_90 SASS
+        _registry.SassCase(gqa, lambda: flash_attention_forward(q, kv, kv, True, 0.1),
+                           (L("attention.tma_fwd", 0, 4 * flops),),
+                           context=lambda: tuned.override("attention_fwd", TMA=1)),
+        _registry.SassCase(gqa, lambda: flash_attention_backward(q, q, kv, kv, q, lse, True, 0.1),
+                           (L("attention.tma_bwd_dkdv", 1, 8 * flops), L("attention.tma_bwd_dq", 2, 6 * flops)),
+                           context=lambda: tuned.override("attention_bwd", TMA=1)),
+        _registry.SassCase(gqa, lambda: flash_attention_backward(q, q, kv, kv, q, lse, True, 0.1),
+                           (L("attention.gqa_bwd_dkdv", 1, 8 * flops),)),
+    ]
+    packed = torch.empty(8192, 16, d, dtype=dtype, device=meta)
+    cu = torch.empty(9, dtype=torch.int32, device=meta)
+    cases.append(_registry.SassCase(
+        "8x1024 packed, 16 heads, d 128 causal bf16",
+        lambda: flash_attention_forward(packed, packed, packed, True, 0.1, (-1, -1), cu, cu, 1024, 1024),
+        (L("attention.varlen_fwd", 0, 4 * 16 * 8 * _causal_pairs(1024) * d),)))
+    cases.append(_registry.SassCase(
+        "1x32x4096x128 window 1024 bf16", lambda: flash_attention_forward(q, q, q, True, 0.1, (1024, 0)),
+        (L("attention.window_fwd", 0, 4 * 32 * 4096 * 1025 * d),)))
+    q1 = torch.empty(4, 32, 1, d, dtype=dtype, device=meta)
+    cache = torch.empty(4, 8, 32768, d, dtype=dtype, device=meta)
+    decode = lambda: flash_attention_forward(q1, cache, cache, True, 0.1)  # noqa: E731
+    cases.append(_registry.SassCase("4x32(8kv) 1 query x 32768 cache bf16", decode,
+                                    (L("attention.decode_split", 0, 4 * 4 * 32 * 32768 * d),),
+                                    bytes_moved=2 * _registry.nbytes(cache)))  # K and V read once
+    cases.append(_registry.SassCase("4x32 heads, 1 query", decode, (L("attention.decode_combine", 1),)))
+    return cases
+
+
+def _sweep_cases(device: torch.device, smoke: bool) -> list[_registry.SweepCase]:
+    """Causal ``[4, 16, 4096, d]`` at d 64 and 128 (smoke: ``[1, 2, 64, 16]``), forward and forward + backward; the
+    atomic-dQ backward as a reported variant; the Hopper TMA kernels compete on sm_90+ (and in the smoke run)."""
+    dtype = torch.float32 if smoke else torch.bfloat16
+    cases = []
+    for d in ((16,) if smoke else (64, 128)):
+        b, h, n = (1, 2, 64) if smoke else (4, 16, 4096)
+        key = f"{tuned.dtype_name(dtype)}-d{d}"
+
+        def fwd_step(d=d, b=b, h=h, n=n):
+            q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype) for _ in range(3))
+            return lambda: flash_attention(q, k, v, True)
+
+        def bwd_step(d=d, b=b, h=h, n=n, deterministic=True):
+            q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+            grad = torch.randn(b, h, n, d, device=device, dtype=dtype)
+
+            def step():  # forward and backward (a candidate's forward must not change what the backward sees)
+                out = flash_attention(q, k, v, True, deterministic=deterministic)
+                return torch.autograd.grad(out, (q, k, v), grad)
+            return step
+
+        hopper = smoke or torch.cuda.get_device_capability(device)[0] >= 9
+        tma = (dict(TMA=1),) if hopper else ()
+        cases += [_registry.SweepCase("attention_fwd", key, fwd_step, tma + _FWD_CANDIDATES),
+                  _registry.SweepCase("attention_bwd", key, bwd_step, tma + _BWD_CANDIDATES),
+                  _registry.SweepCase("attention_bwd", key + " atomic-dQ", lambda f=bwd_step: f(deterministic=False),
+                                      ())]
+    return cases
+
+
+def _shipped(pick):
+    def shipped(key: str, device: torch.device, dtype: torch.dtype) -> dict:
+        return dict(zip(_CONFIG_FIELDS, pick(int(key.split("-d")[1]), dtype, device)))
+    return shipped
+
+
+_FWD_CANDIDATES = (
+    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3), dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2), dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4), dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
+    # two CTAs per sm_90 SM at d 128 (SASS report with this config: 174 registers x 128 threads, 80 KB dynamic
+    # shared memory, spill-free)
+    dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2))
+_BWD_CANDIDATES = (
+    dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
+    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2), dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
+    dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=3))
+_FIELDS = (*_CONFIG_FIELDS, "TMA")
+
+_registry.register(_registry.Op(
+    name="attention", entry_points=("flash_attention", "FlashAttention", "flash_attn_func", "flash_attn_varlen_func"),
+    reference="tritonlm.modules.functional.scaled_dot_product_attention",
+    tunables=(_registry.Tunable("attention_fwd", _FIELDS, _FWD_CANDIDATES, _shipped(_fwd_config)),
+              _registry.Tunable("attention_bwd", _FIELDS, _BWD_CANDIDATES, _shipped(_bwd_config))),
+    sass_cases=_sass_cases, sweep_cases=_sweep_cases, bench_section="attention",
+    notes=("tiled PyTorch twin: FlashAttentionTorch", "variants timed in the GPU suite's attention_variants")))
