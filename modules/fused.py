@@ -12,14 +12,18 @@ parameters, buffers and device placement are kept as they are.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
 from . import reference as _ref
 from .model import TransformerBlock as _Block
 from .model import TransformerLM as _LM
+from .model import register_components
 from .reference import (  # noqa: F401  (unchanged components, re-exported for a complete namespace)
     BatchNorm,
+    Documents,
     Embedding,
     KVCache,
     LayerNorm,
@@ -152,3 +156,7 @@ def fuse(model: nn.Module) -> nn.Module:
 def unfuse(model: nn.Module) -> nn.Module:
     """Swap fused components back to the reference ones, in place."""
     return _convert(model, _UNFUSED, "reference")
+
+
+# the assembly builds its components from this namespace for backend="triton"
+register_components("triton", sys.modules[__name__])

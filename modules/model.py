@@ -9,9 +9,14 @@ hot paths, so parameters and ``state_dict`` keys are identical across backends.
 from __future__ import annotations
 
 import logging
+from types import ModuleType
 
 import torch
 from torch import nn
+
+from .cache import Documents, KVCache
+from .config import ModelConfig
+from .sampling import sample_next
 
 logger = logging.getLogger("tritonlm")
 
@@ -33,17 +38,20 @@ def resolve_backend(backend: str, device=None) -> str:
     return chosen
 
 
-def components(backend: str):
+_COMPONENTS: dict[str, ModuleType] = {}
+
+
+def register_components(backend: str, namespace: ModuleType) -> None:
+    """Name the module namespace whose classes a backend's models are built from (``reference`` and ``fused``
+    register themselves when imported; ``tritonlm.modules`` imports both, neither imports Triton)."""
+    _COMPONENTS[backend] = namespace
+
+
+def components(backend: str) -> ModuleType:
     """The module namespace that provides a backend's components."""
-    if backend == "reference":
-        from . import reference
-
-        return reference
-    if backend == "triton":
-        from . import fused
-
-        return fused
-    raise ValueError(f"no components for backend {backend!r}")
+    if backend not in _COMPONENTS:
+        raise ValueError(f"no components for backend {backend!r} (registered: {', '.join(_COMPONENTS)})")
+    return _COMPONENTS[backend]
 
 
 def _make_norm(kind: str, comps, d_model: int, device, dtype, eps: float = 1e-5) -> nn.Module:
@@ -81,24 +89,36 @@ class TransformerBlock(nn.Module):
     """One decoder block. Pre-norm (default): ``h = x + attn(ln1(x))``, ``out = h + ffn(ln2(h))``.
     Post-norm: ``h = ln1(x + attn(x))``, ``out = ln2(h + ffn(h))``. ``norm="none"`` drops both norms.
 
-    ``theta=None`` builds attention without RoPE (for sinusoidal or no position encoding).
+    Built from a :class:`ModelConfig` (``TransformerBlock(config)``, what :class:`TransformerLM` does), or from
+    the CS336 arguments ``(d_model, num_heads, d_ff, max_seq_len, theta)`` plus keyword options, which build that
+    config. ``theta=None`` builds attention without RoPE (for sinusoidal or no position encoding).
     """
 
-    def __init__(self, d_model: int, num_heads: int, d_ff: int, max_seq_len: int, theta: float | None,
-                 device=None, dtype=None, *, norm: str = "rmsnorm", ffn: str = "swiglu",
-                 norm_position: str = "pre", backend: str = "reference", num_kv_heads: int | None = None,
-                 norm_eps: float = 1e-5, rope_scaling: dict | None = None):
+    def __init__(self, d_model: int | ModelConfig, num_heads: int | None = None, d_ff: int | None = None,
+                 max_seq_len: int | None = None, theta: float | None = None, device=None, dtype=None, *,
+                 backend: str = "reference", **options):
         super().__init__()
-        if norm_position not in ("pre", "post"):
-            raise ValueError(f"norm_position must be 'pre' or 'post', got {norm_position!r}")
+        if isinstance(d_model, ModelConfig):
+            if num_heads is not None or d_ff is not None or max_seq_len is not None or theta is not None or options:
+                raise TypeError("TransformerBlock(config): give the config alone (its fields are the options)")
+            config = d_model
+        else:
+            if None in (num_heads, d_ff, max_seq_len):
+                raise TypeError("TransformerBlock needs (d_model, num_heads, d_ff, max_seq_len, theta) or a ModelConfig")
+            position = "rope" if theta is not None else "none"
+            config = ModelConfig(1, max_seq_len, d_model, 1, num_heads, d_ff, 10000.0 if theta is None else
+                                 float(theta), position=position, **options)
+        self.config = config
         self.backend = resolve_backend(backend, device)
         comps = components(self.backend)
-        self.norm_position = norm_position
-        self.ln1 = _make_norm(norm, comps, d_model, device, dtype, norm_eps)
-        self.attn = comps.MultiHeadSelfAttention(d_model, num_heads, max_seq_len, theta, device=device, dtype=dtype,
-                                                 num_kv_heads=num_kv_heads, rope_scaling=rope_scaling)
-        self.ln2 = _make_norm(norm, comps, d_model, device, dtype, norm_eps)
-        self.ffn = _make_ffn(ffn, comps, d_model, d_ff, device, dtype)
+        self.norm_position = config.norm_position
+        theta = config.rope_theta if config.position == "rope" else None
+        self.ln1 = _make_norm(config.norm, comps, config.d_model, device, dtype, config.norm_eps)
+        self.attn = comps.MultiHeadSelfAttention(config.d_model, config.num_heads, config.context_length, theta,
+                                                 device=device, dtype=dtype, num_kv_heads=config.num_kv_heads,
+                                                 rope_scaling=config.rope_scaling)
+        self.ln2 = _make_norm(config.norm, comps, config.d_model, device, dtype, config.norm_eps)
+        self.ffn = _make_ffn(config.ffn, comps, config.d_model, config.d_ff, device, dtype)
 
     def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None,
                 kv_cache=None, *, pending: torch.Tensor | None = None, return_pending: bool = False,
@@ -139,51 +159,54 @@ class TransformerLM(nn.Module):
     attention), ``norm_eps``, ``tie_embeddings`` (``lm_head.weight`` *is* ``token_embeddings.weight``; both
     ``state_dict`` keys stay, so untied checkpoints load too, the head's copy winning) and ``rope_scaling``
     (Hugging Face's dict, e.g. ``{"rope_type": "llama3", "factor": 8.0, ...}``).
+
+    ``TransformerLM(config)`` builds the model from one :class:`ModelConfig` (every block reads it); the CS336
+    keyword constructor ``TransformerLM(vocab_size, context_length, d_model, num_layers, num_heads, d_ff,
+    rope_theta, ...)`` builds that config from its arguments. A new model option is one ``ModelConfig`` field.
     """
 
-    def __init__(self, vocab_size: int, context_length: int, d_model: int, num_layers: int,
-                 num_heads: int, d_ff: int, rope_theta: float = 10000.0, device=None, dtype=None, *,
-                 norm: str = "rmsnorm", ffn: str = "swiglu", position: str = "rope",
-                 norm_position: str = "pre", backend: str = "reference", num_kv_heads: int | None = None,
-                 norm_eps: float = 1e-5, tie_embeddings: bool = False, rope_scaling: dict | None = None):
+    def __init__(self, vocab_size: int | ModelConfig, context_length: int | None = None, d_model: int | None = None,
+                 num_layers: int | None = None, num_heads: int | None = None, d_ff: int | None = None,
+                 rope_theta: float = 10000.0, device=None, dtype=None, *, backend: str = "reference", **options):
         super().__init__()
-        from ..config import ModelConfig
-
-        # validates every size and option in one place
-        self.config = ModelConfig(vocab_size, context_length, d_model, num_layers, num_heads, d_ff,
-                                  float(rope_theta), norm, ffn, position, norm_position, num_kv_heads,
-                                  norm_eps, tie_embeddings, rope_scaling)
+        if isinstance(vocab_size, ModelConfig):
+            sizes = (context_length, d_model, num_layers, num_heads, d_ff)
+            if any(s is not None for s in sizes) or options or rope_theta != 10000.0:
+                raise TypeError("TransformerLM(config): give the config alone (its fields are the options)")
+            config = vocab_size
+        else:
+            # validates every size and option in one place
+            config = ModelConfig(vocab_size, context_length, d_model, num_layers, num_heads, d_ff,
+                                 float(rope_theta), **options)
+        self.config = config
         self.backend = resolve_backend(backend, device)
         comps = components(self.backend)
-        self.vocab_size, self.context_length = vocab_size, context_length
-        self.token_embeddings = comps.Embedding(vocab_size, d_model, device=device, dtype=dtype)
-        if position == "sinusoidal":
-            self.position_encoding = comps.SinusoidalPositionalEncoding(d_model, context_length,
+        self.vocab_size, self.context_length = config.vocab_size, config.context_length
+        self.token_embeddings = comps.Embedding(config.vocab_size, config.d_model, device=device, dtype=dtype)
+        if config.position == "sinusoidal":
+            self.position_encoding = comps.SinusoidalPositionalEncoding(config.d_model, config.context_length,
                                                                         device=device)
         else:
             self.position_encoding = None
-        theta = rope_theta if position == "rope" else None
-        self.layers = nn.ModuleList(
-            TransformerBlock(d_model, num_heads, d_ff, context_length, theta, device=device, dtype=dtype,
-                             norm=norm, ffn=ffn, norm_position=norm_position, backend=self.backend,
-                             num_kv_heads=num_kv_heads, norm_eps=norm_eps, rope_scaling=rope_scaling)
-            for _ in range(num_layers))
+        self.layers = nn.ModuleList(TransformerBlock(config, device=device, dtype=dtype, backend=self.backend)
+                                    for _ in range(config.num_layers))
         # one RoPE module (its cos/sin tables) shared by every layer: long-context checkpoints would otherwise
         # hold num_layers copies of [context_length, d_head / 2] tables
         ropes = [layer.attn.rope for layer in self.layers]
         for layer in self.layers[1:]:
             layer.attn.rope = ropes[0]
-        self.ln_final = (_make_norm(norm, comps, d_model, device, dtype, norm_eps) if norm_position == "pre"
-                         else nn.Identity())
-        self.lm_head = comps.Linear(d_model, vocab_size, device=device, dtype=dtype)
-        if tie_embeddings:
+        self.ln_final = (_make_norm(config.norm, comps, config.d_model, device, dtype, config.norm_eps)
+                         if config.norm_position == "pre" else nn.Identity())
+        self.lm_head = comps.Linear(config.d_model, config.vocab_size, device=device, dtype=dtype)
+        if config.tie_embeddings:
             # the shared matrix keeps the head's init (std sqrt(2 / (d_model + vocab))): the embedding's std 1
             # would make the first logits huge
             self.token_embeddings.weight = self.lm_head.weight
 
     @classmethod
-    def from_config(cls, cfg, device=None, dtype=None, backend: str = "reference") -> TransformerLM:
-        return cls(**cfg.model_kwargs(), device=device, dtype=dtype, backend=backend)
+    def from_config(cls, cfg: ModelConfig, device=None, dtype=None, backend: str = "reference") -> TransformerLM:
+        """``cls(cfg, ...)``: the model of one :class:`ModelConfig`."""
+        return cls(cfg, device=device, dtype=dtype, backend=backend)
 
     def forward(self, token_ids: torch.Tensor, token_positions: torch.Tensor | None = None,
                 kv_caches=None, *, document_ids: torch.Tensor | None = None, targets: torch.Tensor | None = None,
@@ -237,8 +260,6 @@ class TransformerLM(nn.Module):
             raise ValueError(f"sequence length {past + seq} exceeds context_length {self.context_length}")
         documents = None
         if document_ids is not None:
-            from .reference import Documents
-
             if kv_caches:
                 raise ValueError("document_ids cannot be combined with kv_caches (decoding is one document)")
             if token_ids.dim() != 2 or document_ids.shape != token_ids.shape:
@@ -267,8 +288,6 @@ class TransformerLM(nn.Module):
     def new_kv_caches(self, reserve: int | None = None):
         """One empty :class:`KVCache` per layer, each holding up to ``context_length`` positions; storage is
         allocated for ``reserve`` positions first and grows with use."""
-        from .reference import KVCache
-
         return [KVCache(self.context_length, reserve) for _ in self.layers]
 
     @torch.no_grad()
@@ -287,8 +306,6 @@ class TransformerLM(nn.Module):
         the context. ``allowed`` (bool ``[vocab]``): only ids marked True are ever sampled, e.g. the ones a tokenizer can
         decode when the model's vocabulary is padded past it (as Hugging Face checkpoints often are).
         """
-        from .sampling import sample_next
-
         ids = torch.as_tensor(prompt_ids, device=self.lm_head.weight.device)
         squeeze = ids.dim() == 1
         if squeeze:

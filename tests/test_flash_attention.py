@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from tritonlm.kernels import FlashAttention, FlashAttentionTorch, flash_attention
 
-from conftest import FP32_ATTENTION_TOL, GPU_FP32_ATTENTION_TOL, cpu_only, emulated_tf32_dots
+from helpers import FP32_ATTENTION_TOL, GPU_FP32_ATTENTION_TOL, cpu_only, emulated_tf32_dots, record_launches
 
 FUNCTIONS = [FlashAttentionTorch, FlashAttention]
 TOL = {torch.float32: FP32_ATTENTION_TOL, torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -213,11 +213,8 @@ def test_fp32_attention_follows_torch_matmul_precision(monkeypatch):
     get the default "tf32"). Checked on the launch arguments the kernels receive."""
     from tritonlm.kernels.attention import backward, forward
 
-    seen = []
-    for kernel in (forward._fwd_kernel, backward._bwd_dkdv_kernel, backward._bwd_dq_kernel):
-        original = kernel.run
-        monkeypatch.setattr(kernel, "run", lambda *a, _o=original, **k: seen.append(
-            k.get("DOT_PRECISION")) or _o(*a, **k))
+    seen = record_launches(monkeypatch, forward._fwd_kernel, backward._bwd_dkdv_kernel, backward._bwd_dq_kernel,
+                           record=lambda name, kwargs: kwargs.get("DOT_PRECISION"))
     q = torch.randn(1, 2, 7, 16, requires_grad=True)
     for precision, expected in (("highest", "ieee"), ("high", "tf32")):
         monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda p=precision: p)

@@ -10,7 +10,7 @@ from tritonlm.kernels import FlashAttention, flash_attn_func, flash_attn_varlen_
 from tritonlm.kernels.attention import backward as attention_backward
 from tritonlm.kernels.attention import decode as attention_decode
 
-from conftest import FP32_ATTENTION_TOL
+from helpers import FP32_ATTENTION_TOL, record_launches
 
 TOL = {torch.float32: FP32_ATTENTION_TOL, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
@@ -233,12 +233,8 @@ def test_bad_shapes_and_heads():
 def test_deterministic_selects_the_backward(deterministic, monkeypatch):
     """flash-attn's meaning: deterministic=False (its default) adds dQ with atomics inside the dK/dV kernel and
     runs no dQ kernel; True runs the two-kernel backward. Both against fp64 SDPA, packed and batched."""
-    launched = []
-    for name in ("_bwd_dkdv_kernel", "_bwd_dq_kernel"):
-        kernel = getattr(attention_backward, name)
-        real = kernel.run
-        monkeypatch.setattr(kernel, "run", lambda *a, _n=name, _r=real, **k: launched.append(
-            (_n, k.get("ATOMIC_DQ"))) or _r(*a, **k))
+    launched = record_launches(monkeypatch, attention_backward._bwd_dkdv_kernel, attention_backward._bwd_dq_kernel,
+                               record=lambda name, kwargs: (name, kwargs.get("ATOMIC_DQ")))
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(2, 21, 4, 16, generator=gen, requires_grad=True)
     k, v = (torch.randn(2, 21, 2, 16, generator=gen, requires_grad=True) for _ in range(2))

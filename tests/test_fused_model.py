@@ -14,7 +14,7 @@ import tritonlm
 from tritonlm import ModelConfig, TransformerLM
 from tritonlm.modules import fused, reference
 
-from conftest import FP32_ATTENTION_TOL, cpu_only
+from helpers import FP32_ATTENTION_TOL, cpu_only
 
 CFG = ModelConfig.preset("tiny", vocab_size=97, context_length=48, num_layers=2)
 

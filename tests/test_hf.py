@@ -12,7 +12,7 @@ import torch
 from tritonlm import ModelConfig, TransformerLM
 from tritonlm.hf import model_config_from_hf
 
-from conftest import DEVICE, ON_CUDA
+from helpers import DEVICE, ON_CUDA
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16}

@@ -7,7 +7,7 @@ import pytest
 
 from tritonlm.tokenizer import LLAMA3_PATTERN, QWEN2_PATTERN, Tokenizer
 
-from conftest import SHARED_DATA
+from helpers import SHARED_DATA
 
 tokenizers = pytest.importorskip("tokenizers", reason="the tokenizers library (installed with tritonlm[hf]) is absent")
 

@@ -28,11 +28,70 @@ def test_kernels_import_nothing_above_them():
     assert upward == []
 
 
-def test_modules_reach_up_only_for_the_config_and_kernels():
-    allowed = {"config", "kernels"}
+def test_modules_reach_up_only_for_kernels():
     upward = [(f.name, name) for f in sorted((REPO / "modules").glob("*.py")) for level, name in _imports(f)
-              if level >= 2 and name.split(".")[0] not in allowed]
-    assert upward == []  # e.g. sampling is modules.sampling, not tritonlm.generate
+              if (level >= 2 and name.split(".")[0] != "kernels")
+              or (level == 0 and name.split(".")[0] == "tritonlm" and not name.startswith("tritonlm.kernels"))]
+    assert upward == []  # e.g. sampling is modules.sampling, not tritonlm.generate; the config is modules.config
+
+
+#: where each import root's files live
+_PACKAGES = {"tritonlm": REPO / "tritonlm", "tritonlm.kernels": REPO / "kernels", "tritonlm.modules": REPO / "modules"}
+
+
+def _module_name(path: Path) -> str:
+    for package, root in sorted(_PACKAGES.items(), key=lambda kv: -len(kv[0])):
+        if path.is_relative_to(root):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            return ".".join([package, *parts])
+    raise ValueError(path)
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the tritonlm modules it imports (function-level imports too; ``from . import x`` names x)."""
+    files = {_module_name(f): f for root in _PACKAGES.values() for f in root.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                for alias in node.names:
+                    full = f"{target}.{alias.name}"
+                    edges.add(full if full in files else target)
+            elif isinstance(node, ast.Import):
+                edges.update(alias.name for alias in node.names)
+        graph[name] = {e for e in edges if e in files and e != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Pairs of modules that import each other, directly or through others. Edges into the three top packages'
+    ``__init__`` (which re-export their children) and into a module's own parent packages are not followed."""
+    def reach(start):
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph[todo.pop()]:
+                if nxt not in seen and nxt not in _PACKAGES and not start.startswith(nxt + "."):
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    reached = {name: reach(name) for name in graph if name not in _PACKAGES}
+    return sorted((a, b) for a in reached for b in reached[a] if b in reached and a in reached[b] and a < b)
+
+
+def test_no_import_cycles_between_modules():
+    graph = _graph()
+    assert _cycles(graph) == []
+    # the check sees one: the model reaching back into a backend namespace (as it once did for KVCache)
+    graph["tritonlm.modules.model"].add("tritonlm.modules.reference")
+    assert ("tritonlm.modules.model", "tritonlm.modules.reference") in _cycles(graph)
 
 
 def test_memory_counting_uses_no_private_report_helper():

@@ -317,3 +317,29 @@ def test_generated_positions_skip_host_checks_user_positions_do_not():
     emb = R.Embedding(4, 2)
     emb.check_ids = False
     assert emb(torch.tensor([3])).shape == (1, 2)
+
+
+def test_model_builds_from_one_config_like_the_keyword_constructor():
+    """TransformerLM(config) and the CS336 keyword constructor build the same model: same state_dict keys and
+    shapes, same logits from the same seed; every block holds that config; mixing the two forms is an error."""
+    from tritonlm import ModelConfig
+
+    cfg = ModelConfig(vocab_size=37, context_length=12, d_model=24, num_layers=2, num_heads=4, d_ff=40,
+                      rope_theta=500.0, num_kv_heads=2, norm_eps=1e-6, tie_embeddings=True)
+    torch.manual_seed(1)
+    from_config = R.TransformerLM(cfg)
+    torch.manual_seed(1)
+    from_keywords = R.TransformerLM(37, 12, 24, 2, 4, 40, 500.0, num_kv_heads=2, norm_eps=1e-6, tie_embeddings=True)
+    assert from_config.config == from_keywords.config == cfg
+    assert all(layer.config is cfg for layer in from_config.layers)
+    a, b = from_config.state_dict(), from_keywords.state_dict()
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    ids = torch.randint(0, 37, (2, 9))
+    torch.testing.assert_close(from_config(ids), from_keywords(ids), atol=0, rtol=0)
+    assert R.TransformerLM.from_config(cfg).config == cfg
+    with pytest.raises(TypeError, match="config alone"):
+        R.TransformerLM(cfg, num_kv_heads=4)
+    with pytest.raises(TypeError, match="config alone"):
+        R.TransformerBlock(cfg, 2)
+    with pytest.raises(ValueError, match="norm_position"):
+        R.TransformerBlock(16, 2, 32, 8, 10000.0, norm_position="middle")

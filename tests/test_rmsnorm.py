@@ -7,9 +7,7 @@ import torch.nn.functional as TF
 from tritonlm.kernels import add_rms_norm, rms_norm
 from tritonlm.modules import fused, reference
 
-from conftest import tolerance
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+from helpers import DTYPE_TOLERANCES
 
 
 def _fp64_reference(x, w, dy, eps=1e-5):
@@ -19,16 +17,15 @@ def _fp64_reference(x, w, dy, eps=1e-5):
     return y, x64.grad, w64.grad
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype, tol", DTYPE_TOLERANCES)
 @pytest.mark.parametrize("shape", [(1, 1), (3, 7), (2, 3, 4, 1000), (5, 4097), (1, 9000)])
-def test_forward_backward_vs_fp64(shape, dtype):
+def test_forward_backward_vs_fp64(shape, dtype, tol):
     x = torch.randn(shape, dtype=dtype, requires_grad=True)
     w = (1 + 0.3 * torch.randn(shape[-1])).to(dtype).requires_grad_()
     y = rms_norm(x, w)
     dy = torch.randn_like(y)
     y.backward(dy)
     y64, dx64, dw64 = _fp64_reference(x, w, dy)
-    tol = tolerance(dtype)
     assert y.dtype == dtype and x.grad.dtype == dtype and w.grad.dtype == dtype
     torch.testing.assert_close(y.double(), y64, **{k: v * 4 for k, v in tol.items()})
     torch.testing.assert_close(x.grad.double(), dx64, **{k: v * 4 for k, v in tol.items()})
@@ -49,8 +46,8 @@ def test_widest_rows_65536():
     torch.testing.assert_close(w.grad.double(), dw64, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_module_matches_reference_module(dtype):
+@pytest.mark.parametrize("dtype, tol", DTYPE_TOLERANCES)
+def test_fused_module_matches_reference_module(dtype, tol):
     ref = reference.RMSNorm(48, eps=1e-6, dtype=dtype)
     with torch.no_grad():
         ref.weight.copy_(torch.randn(48))
@@ -62,7 +59,6 @@ def test_fused_module_matches_reference_module(dtype):
     dy = torch.randn_like(y1)
     y1.backward(dy)
     y2.backward(dy)
-    tol = tolerance(dtype)
     torch.testing.assert_close(y2, y1, **tol)
     torch.testing.assert_close(x2.grad, x1.grad, **tol)
     torch.testing.assert_close(fz.weight.grad.float(), ref.weight.grad.float(), atol=tol["atol"] * 10,
@@ -126,9 +122,9 @@ def _add_rms_norm_fp64(x, residual, w, dy, dh, eps=1e-5):
     return y, h, x64.grad, r64.grad, w64.grad
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype, tol", DTYPE_TOLERANCES)
 @pytest.mark.parametrize("shape", [(1, 1), (3, 7), (2, 3, 4, 1000), (1, 9000)])
-def test_add_rms_norm_vs_fp64_composition(shape, dtype):
+def test_add_rms_norm_vs_fp64_composition(shape, dtype, tol):
     x = torch.randn(shape, dtype=dtype, requires_grad=True)
     residual = torch.randn(shape, dtype=dtype, requires_grad=True)
     w = (1 + 0.3 * torch.randn(shape[-1])).to(dtype).requires_grad_()
@@ -136,7 +132,7 @@ def test_add_rms_norm_vs_fp64_composition(shape, dtype):
     dy, dh = torch.randn_like(y), torch.randn_like(h)
     torch.autograd.backward((y, h), (dy, dh))
     y64, h64, dx64, dr64, dw64 = _add_rms_norm_fp64(x, residual, w, dy, dh)
-    tol = {k: v * 4 for k, v in tolerance(dtype).items()}
+    tol = {k: v * 4 for k, v in tol.items()}
     assert y.dtype == h.dtype == x.grad.dtype == residual.grad.dtype == dtype
     torch.testing.assert_close(h.double(), h64, **tol)
     torch.testing.assert_close(y.double(), y64, **tol)

@@ -7,14 +7,12 @@ import torch.nn.functional as TF
 from tritonlm.kernels import swiglu_gate
 from tritonlm.modules import fused, reference
 
-from conftest import tolerance
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+from helpers import DTYPE_TOLERANCES
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype, tol", DTYPE_TOLERANCES)
 @pytest.mark.parametrize("shape", [(1,), (7,), (3, 1000), (2, 3, 4, 17), (1, 4097)])
-def test_gate_forward_backward_vs_fp64(shape, dtype):
+def test_gate_forward_backward_vs_fp64(shape, dtype, tol):
     a = (torch.randn(shape) * 3).to(dtype).requires_grad_()
     b = torch.randn(shape, dtype=dtype, requires_grad=True)
     h = swiglu_gate(a, b)
@@ -23,7 +21,7 @@ def test_gate_forward_backward_vs_fp64(shape, dtype):
     a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
     h64 = TF.silu(a64) * b64
     h64.backward(dh.double())
-    tol = {k: v * 2 for k, v in tolerance(dtype).items()}
+    tol = {k: v * 2 for k, v in tol.items()}
     assert h.dtype == dtype
     torch.testing.assert_close(h.double(), h64, **tol)
     torch.testing.assert_close(a.grad.double(), a64.grad, **tol)
@@ -41,14 +39,14 @@ def test_gate_non_contiguous():
     torch.testing.assert_close(gb, gb_ref)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_module_matches_reference(dtype):
+@pytest.mark.parametrize("dtype, tol", DTYPE_TOLERANCES)
+def test_fused_module_matches_reference(dtype, tol):
     ref = reference.SwiGLU(32, 80, dtype=dtype)
     fz = fused.SwiGLU(32, 80, dtype=dtype)
     fz.load_state_dict(ref.state_dict())
     x = torch.randn(2, 5, 32, dtype=dtype)
     y1, y2 = ref(x), fz(x)
-    tol = {k: v * 2 for k, v in tolerance(dtype).items()}
+    tol = {k: v * 2 for k, v in tol.items()}
     torch.testing.assert_close(y2, y1, **tol)
     y1.float().square().sum().backward()
     y2.float().square().sum().backward()

@@ -88,7 +88,7 @@ def test_train_bad_inputs(tmp_path):
 
 @pytest.fixture(scope="module")
 def gpt2(request):
-    from conftest import SHARED_DATA
+    from helpers import SHARED_DATA
 
     if not SHARED_DATA.is_dir():
         pytest.skip("../shared/data is not present")

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from tritonlm.kernels import flash_attention, rms_norm, swiglu_gate, tuned
 from tritonlm.kernels.attention import launch as FA
 
-from conftest import cpu_only, tolerance
+from helpers import cpu_only, tolerance
 
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 

@@ -1,0 +1,153 @@
+"""Model configuration: the :class:`TransformerLM` constructor arguments as one dataclass (the model builds itself
+from it: ``TransformerLM(config)``), plus presets. Re-exported as :mod:`tritonlm.config`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+NORMS = ("rmsnorm", "layernorm", "batchnorm", "none")
+FFNS = ("swiglu", "relu", "silu")
+POSITIONS = ("rope", "sinusoidal", "none")
+NORM_POSITIONS = ("pre", "post")
+
+
+#: RoPE scaling types :func:`check_rope_scaling` accepts, with their required fields.
+ROPE_SCALING_FIELDS = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def check_rope_scaling(scaling) -> dict:
+    """Validate a RoPE scaling dict (Hugging Face's ``rope_scaling`` format: ``rope_type`` or ``type`` names it)
+    and return it; ``{"rope_type": "default"}`` means no scaling. Other types are a one-line error."""
+    if not isinstance(scaling, dict):
+        raise ValueError(f"rope_scaling must be a dict like {{'rope_type': 'llama3', ...}}, got {scaling!r}")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "default":
+        return scaling
+    if kind not in ROPE_SCALING_FIELDS:
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: 'default', "
+                         f"{', '.join(repr(k) for k in ROPE_SCALING_FIELDS)})")
+    missing = [f for f in ROPE_SCALING_FIELDS[kind] if f not in scaling]
+    if missing:
+        raise ValueError(f"rope_scaling {kind!r} lacks {', '.join(missing)}")
+    if kind == "llama3":
+        if not scaling["factor"] > 0 or not scaling["high_freq_factor"] > scaling["low_freq_factor"] > 0:
+            raise ValueError("rope_scaling 'llama3' needs factor > 0 and high_freq_factor > low_freq_factor > 0, "
+                             f"got {scaling!r}")
+    return scaling
+
+
+def default_d_ff(d_model: int) -> int:
+    """SwiGLU hidden size: 8/3 * d_model rounded to the nearest multiple of 64 (at least 64)."""
+    return max(64, int(round(8 * d_model / 3 / 64)) * 64)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything needed to build a :class:`tritonlm.modules.TransformerLM` (backend aside).
+
+    ``norm``/``ffn``/``position``/``norm_position`` are the ablation options; defaults are the
+    CS336 model (pre-norm, RMSNorm, SwiGLU, RoPE).
+    """
+
+    vocab_size: int
+    context_length: int
+    d_model: int
+    num_layers: int
+    num_heads: int
+    d_ff: int
+    rope_theta: float = 10000.0
+    norm: str = "rmsnorm"
+    ffn: str = "swiglu"
+    position: str = "rope"
+    norm_position: str = "pre"
+    num_kv_heads: int | None = None  # grouped-query attention: key/value heads (None: = num_heads)
+    norm_eps: float = 1e-5  # epsilon of every norm (Llama checkpoints use 1e-5 or 1e-6)
+    tie_embeddings: bool = False  # the LM head shares the token embedding matrix
+    rope_scaling: dict | None = None  # RoPE frequency scaling, e.g. Llama 3's {"rope_type": "llama3", ...}
+
+    def __post_init__(self):
+        for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
+        if self.num_kv_heads is not None and (not isinstance(self.num_kv_heads, int) or self.num_kv_heads <= 0
+                                              or self.num_heads % self.num_kv_heads):
+            raise ValueError(f"ModelConfig.num_kv_heads must be a positive divisor of num_heads ({self.num_heads}), "
+                             f"got {self.num_kv_heads!r}")
+        if self.position == "rope" and self.d_head % 2:
+            raise ValueError(f"RoPE needs an even head dim, got d_model/num_heads = {self.d_head}")
+        if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) or not self.norm_eps > 0:
+            raise ValueError(f"ModelConfig.norm_eps must be a positive number, got {self.norm_eps!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"ModelConfig.tie_embeddings must be a bool, got {self.tie_embeddings!r}")
+        if self.rope_scaling is not None:
+            if self.position != "rope":
+                raise ValueError(f"ModelConfig.rope_scaling needs position='rope', got position={self.position!r}")
+            check_rope_scaling(self.rope_scaling)
+        for name, allowed in (("norm", NORMS), ("ffn", FFNS), ("position", POSITIONS),
+                              ("norm_position", NORM_POSITIONS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"ModelConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: ``num_kv_heads``, or ``num_heads`` (multi-head attention) when unset."""
+        return self.num_kv_heads or self.num_heads
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def model_kwargs(self) -> dict:
+        """Keyword arguments for ``TransformerLM(**cfg.model_kwargs())``."""
+        return self.to_dict()
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> ModelConfig:
+        """A named size (see :data:`PRESETS`); keyword overrides replace single fields."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+def _gpt2(layers: int, d_model: int, heads: int) -> dict:
+    return dict(vocab_size=50257, context_length=1024, d_model=d_model, num_layers=layers,
+                num_heads=heads, d_ff=default_d_ff(d_model), rope_theta=10000.0)
+
+
+def _bench(d_model: int, d_ff: int, layers: int, heads: int) -> dict:
+    return dict(vocab_size=10000, context_length=512, d_model=d_model, num_layers=layers,
+                num_heads=heads, d_ff=d_ff, rope_theta=10000.0)
+
+
+#: Preset sizes. ``gpt2-*``: GPT-2 shapes with a SwiGLU FFN (the seeds' accounting example);
+#: ``small``..``10B``: the CS336 systems-assignment benchmarking sizes; ``tiny``: trains on a CPU.
+PRESETS: dict[str, dict] = {
+    "tiny": dict(vocab_size=1024, context_length=128, d_model=128, num_layers=4, num_heads=4,
+                 d_ff=default_d_ff(128), rope_theta=10000.0),
+    "gpt2-small": _gpt2(12, 768, 12),
+    "gpt2-medium": _gpt2(24, 1024, 16),
+    "gpt2-large": _gpt2(36, 1280, 20),
+    "gpt2-xl": _gpt2(48, 1600, 25),
+    "small": _bench(768, 3072, 12, 12),
+    "medium": _bench(1024, 4096, 24, 16),
+    "large": _bench(1280, 5120, 36, 20),
+    "xl": _bench(2560, 10240, 32, 32),
+    "10B": _bench(4608, 12288, 50, 36),
+}

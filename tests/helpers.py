@@ -1,0 +1,80 @@
+"""Shared test helpers: devices, tolerances (each dtype with its own), fp64 references, launch counting.
+
+Tests import from here (``from helpers import ...``); ``conftest.py`` holds only pytest's configuration and
+fixtures (and sets ``TRITON_INTERPRET`` before Triton is imported).
+"""
+
+import contextlib
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+DEVICE = os.environ.get("TRITONLM_TEST_DEVICE", "cpu")
+ON_CUDA = DEVICE.startswith("cuda")
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+#: fp32 tolerance for results that go through attention's tl.dot: IEEE fp32 dots under torch's default "highest"
+#: precision, in the interpreter and on GPUs alike.
+FP32_ATTENTION_TOL = 1e-4
+#: the tolerance of fp32 attention under "high" (TF32 tensor cores, 10-bit mantissa operands), checked on CPU
+#: under ``emulated_tf32_dots``
+GPU_FP32_ATTENTION_TOL = 5e-3
+cpu_only = pytest.mark.skipif(ON_CUDA, reason="checks CPU/interpreter behaviour")
+
+
+def tolerance(dtype: torch.dtype, scale: float = 1.0) -> dict:
+    """Usual comparison tolerances of a low-precision result against an fp32/fp64 reference (times ``scale`` for
+    results that went through more rounding steps)."""
+    base = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2, torch.float64: 1e-10}[dtype]
+    return dict(atol=base * scale, rtol=base * scale)
+
+
+#: ``@pytest.mark.parametrize("dtype, tol", DTYPE_TOLERANCES)``: each kernel dtype with its tolerance.
+DTYPE_TOLERANCES = [pytest.param(dtype, tolerance(dtype), id=str(dtype).replace("torch.", ""))
+                    for dtype in (torch.float32, torch.float16, torch.bfloat16)]
+
+
+def fp64(*tensors: torch.Tensor):
+    """Detached fp64 copies that require grad: the inputs of a reference recomputation."""
+    out = tuple(t.detach().double().requires_grad_(t.requires_grad) for t in tensors)
+    return out[0] if len(out) == 1 else out
+
+
+def record_launches(monkeypatch, *kernels, record=lambda name, kwargs: name) -> list:
+    """Patch each Triton kernel's ``run`` to append ``record(name, launch kwargs)`` to the returned list before
+    launching it (the kernels still run)."""
+    launched = []
+    for kernel in kernels:
+        name = getattr(kernel, "__name__", None) or kernel.fn.__name__
+        monkeypatch.setattr(kernel, "run", lambda *a, _n=name, _r=kernel.run, **k: launched.append(
+            record(_n, k)) or _r(*a, **k))
+    return launched
+
+
+@contextlib.contextmanager
+def emulated_tf32_dots():
+    """Inside the block, the interpreter's ``tl.dot`` drops the low 13 mantissa bits of fp32 operands, the
+    worst case of what TF32 tensor cores do with them, so GPU tolerances can be checked on a CPU."""
+    import numpy as np
+    from triton.runtime import interpreter as interp
+
+    builder = interp.InterpreterBuilder
+    original = builder.create_dot
+
+    def truncate(h):
+        if h.dtype.scalar != interp.tl.float32:
+            return h
+        bits = np.ascontiguousarray(h.data, dtype=np.float32).view(np.uint32) & np.uint32(0xFFFFE000)
+        return interp.TensorHandle(bits.view(np.float32), interp.tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original(self, truncate(a), truncate(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = create_dot
+    try:
+        yield
+    finally:
+        builder.create_dot = original
