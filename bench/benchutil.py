@@ -110,3 +110,30 @@ def fused_loss_baselines() -> dict:
     except ImportError:
         pass
     return out
+
+
+def moe_baselines(device) -> dict:
+    """Expert-FFN implementations ``fn(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj) -> out`` to time
+    beside ``kernels.moe_experts``: the eager per-expert loop (transformers' eager experts code does the same: a
+    gather, two matmuls and an ``index_add`` per expert) everywhere; ``torch._grouped_mm`` (tokens sorted by expert,
+    two grouped GEMMs) where this torch has it on a CUDA device."""
+    from tritonlm.modules import functional as F
+
+    out = {"eager-loop": F.moe_experts}
+    grouped_mm = getattr(torch, "_grouped_mm", None)
+    if grouped_mm is not None and torch.device(device).type == "cuda":
+        def grouped(hidden, index, weights, gate_up, down):
+            n_experts, d_ff = gate_up.shape[0], gate_up.shape[1] // 2
+            flat = index.reshape(-1)
+            order = torch.argsort(flat, stable=True)
+            tokens = order // index.shape[1]
+            counts = torch.zeros(n_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+                0, flat, torch.ones_like(flat))
+            offs = counts.cumsum(0).to(torch.int32)
+            gu = grouped_mm(hidden[tokens], gate_up.transpose(1, 2), offs=offs)
+            h = torch.nn.functional.silu(gu[:, :d_ff]) * gu[:, d_ff:]
+            y = grouped_mm(h, down.transpose(1, 2), offs=offs) * weights.reshape(-1)[order, None].to(h.dtype)
+            return torch.zeros_like(hidden).index_add(0, tokens, y)
+
+        out["torch._grouped_mm"] = grouped
+    return out

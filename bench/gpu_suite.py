@@ -137,7 +137,15 @@ def main() -> int:
         section("kernel_tests", kernel_tests, min_left=120 if on_gpu else 20)
 
     # ---------------------------------------------------------------------------------------- ops
-    from ops_suite import attention_rows, attention_variant_rows, hf_rows, loss_rows, op_rows, train_rows
+    from ops_suite import (
+        attention_rows,
+        attention_variant_rows,
+        hf_rows,
+        loss_rows,
+        moe_rows,
+        op_rows,
+        train_rows,
+    )
 
     section("ops", lambda: {"rows": op_rows(device, copy_bw, smoke=not on_gpu, time_left=left)}, min_left=60)
     section("attention", lambda: {"rows": attention_rows(device, mm_peak, smoke=not on_gpu, time_left=left)},
@@ -145,6 +153,7 @@ def main() -> int:
     section("attention_variants",
             lambda: {"rows": attention_variant_rows(device, copy_bw, smoke=not on_gpu, time_left=left)}, min_left=60)
     section("lm_head_loss", lambda: {"rows": loss_rows(device, smoke=not on_gpu, time_left=left)}, min_left=60)
+    section("moe", lambda: {"rows": moe_rows(device, smoke=not on_gpu, time_left=left)}, min_left=60)
     section("train_step", lambda: {"rows": train_rows(device, smoke=not on_gpu, time_left=left)}, min_left=60)
     section("hf_train_step", lambda: {"rows": hf_rows(device, smoke=not on_gpu, time_left=left)}, min_left=45)
 

@@ -11,7 +11,7 @@ import torch.nn.functional as TF
 from tritonlm import ModelConfig, accounting
 from tritonlm.benchmarking import benchmark_train_steps, time_fn
 
-from benchutil import fused_loss_baselines, liger_impls, peak_bytes
+from benchutil import fused_loss_baselines, liger_impls, moe_baselines, peak_bytes
 
 
 def _ms(times):
@@ -325,4 +325,55 @@ def hf_rows(device, smoke=False, time_left=lambda: 1e9):
         rows.append({"shape": f"{sizes['num_hidden_layers']}L d{sizes['hidden_size']} b{batch}x{seq}",
                      "dtype": str(dtype)[6:], "impl": impl, "step_ms": ms,
                      "tokens_per_s": batch * seq / (ms / 1e3), "peak_MiB": peak / 2**20})
+    return rows
+
+
+def moe_rows(device, smoke=False, time_left=lambda: 1e9):
+    """Expert FFNs of one MoE layer, forward and forward + backward: the eager per-expert loop, torch's
+    ``_grouped_mm`` where present, and ``kernels.moe_experts``; Mixtral-8x7B's layer (T 8192, H 4096, I 14336,
+    E 8, top-2) and a Qwen3-MoE-like one (T 8192, H 2048, I 768, E 128, top-8), bf16; smoke: tiny, fp32."""
+    from tritonlm.kernels import moe_experts
+
+    dtype = torch.float32 if smoke else torch.bfloat16
+    shapes = [(48, 32, 40, 5, 2)] if smoke else [(8192, 4096, 14336, 8, 2), (8192, 2048, 768, 128, 8)]
+    impls = {**moe_baselines(device), "tritonlm": moe_experts}
+    rows = []
+    for tokens, d_model, d_ff, experts, top_k in shapes:
+        if time_left() < 60:
+            break
+        shape = f"T{tokens} H{d_model} I{d_ff} E{experts} K{top_k}"
+        hidden = torch.randn(tokens, d_model, device=device, dtype=dtype, requires_grad=True)
+        logits = torch.randn(tokens, experts, device=device)
+        weights, index = torch.softmax(logits, -1).topk(top_k, -1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(dtype).requires_grad_()
+        gate_up = (torch.randn(experts, 2 * d_ff, d_model, device=device, dtype=dtype) / d_model**0.5).requires_grad_()
+        down = (torch.randn(experts, d_model, d_ff, device=device, dtype=dtype) / d_ff**0.5).requires_grad_()
+        args = (hidden, index, weights, gate_up, down)
+        # active FLOPs: per routed pair, 2·H·2I (gate and up) + 2·I·H (down); backward twice that
+        fwd_flops = 2 * tokens * top_k * 3 * d_model * d_ff
+        grad = torch.ones(tokens, d_model, device=device, dtype=dtype)
+        for impl, fn in impls.items():
+            def fwd(fn=fn, args=args):
+                with torch.no_grad():
+                    fn(*args)
+
+            def both(fn=fn, args=args, grad=grad):
+                fn(*args).backward(grad)
+
+            try:
+                t_f = statistics.median(_time(fwd, device, smoke))
+                t_fb = statistics.median(_time(both, device, smoke))
+            except Exception as e:  # out of memory, or a baseline that rejects the shape
+                rows.append({"shape": shape, "impl": impl, "error": repr(e)[:200]})
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
+            for t in (hidden, weights, gate_up, down):
+                t.grad = None
+            rows.append({"shape": shape, "dtype": str(dtype)[6:], "impl": impl, "fwd_ms": 1e3 * t_f,
+                         "fwd_bwd_ms": 1e3 * t_fb, "fwd_TFLOPs": fwd_flops / t_f / 1e12,
+                         "fwd_bwd_TFLOPs": 3 * fwd_flops / t_fb / 1e12})
+        del hidden, gate_up, down, args, grad
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return rows

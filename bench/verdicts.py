@@ -77,6 +77,13 @@ def verdicts(report) -> list[dict]:
         if "tritonlm" in by and "liger-kernel" in by:
             s = by["liger-kernel"]["fwd_bwd_ms"] / by["tritonlm"]["fwd_bwd_ms"]
             add(f"linear cross-entropy {shape}: faster than Liger", s >= 1.0, f"{s:.2f}x")
+    moe = [r for r in _rows(report, "moe") if "error" not in r]
+    for shape in sorted({r["shape"] for r in moe}):
+        by = {r["impl"]: r for r in moe if r["shape"] == shape}
+        for rival, floor in (("eager-loop", 2.0), ("torch._grouped_mm", 1.1)):
+            if "tritonlm" in by and rival in by:
+                s = by[rival]["fwd_bwd_ms"] / by["tritonlm"]["fwd_bwd_ms"]
+                add(f"MoE experts fwd+bwd {shape}: >= {floor}x {rival}", s >= floor, f"{s:.2f}x")
     steps = [r for r in _rows(report, "train_step") if r.get("mean_s")]
     for preset in sorted({r["preset"] for r in steps}):
         by = {r["impl"]: r for r in steps if r["preset"] == preset}
@@ -169,6 +176,7 @@ def render_markdown(report) -> str:
                        ("attention", ["shape", "dtype", "impl", "fwd_ms", "fwd_bwd_ms", "fwd_TFLOPs", "fwd_bwd_TFLOPs", "fwd_pct_matmul_peak", "error"]),
                        ("attention_variants", ["group", "case", "ms", "GBps", "pct_copy_bw", "error"]),
                        ("lm_head_loss", ["shape", "dtype", "impl", "fwd_bwd_ms", "peak_MiB", "error"]),
+                       ("moe", ["shape", "dtype", "impl", "fwd_ms", "fwd_bwd_ms", "fwd_TFLOPs", "fwd_bwd_TFLOPs", "error"]),
                        ("train_step", ["preset", "impl", "batch", "seq", "mean_s", "std_s", "tokens_per_s", "mfu", "train_TFLOPs", "peak_bytes", "error"]),
                        ("hf_train_step", ["shape", "dtype", "impl", "step_ms", "tokens_per_s", "peak_MiB", "error"]),
                        ("sweep", ["kernel", "key", "config", "ms", "vs_shipped", "best", "shipped_config", "error"]),

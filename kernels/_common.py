@@ -199,3 +199,13 @@ def capture_launches(keep: bool = True):
         yield calls
     finally:
         JITFunction.run = original
+
+
+def dot_precision(dtype: torch.dtype) -> dict:
+    """The ``DOT_PRECISION`` constexpr every ``tl.dot`` of a matmul kernel (attention, MoE) takes as ``input_precision`` (the compile option
+    ``default_dot_input_precision`` does not reach ``tl.dot``: measured, fp32 dots compiled with it "ieee" were
+    still TF32 on sm_80/sm_90). For fp32 inputs PyTorch's fp32 matmul precision decides, as for its own matmuls
+    ("highest", the default: IEEE fp32; "high"/"medium": TF32 tensor cores); 16-bit dots ignore it."""
+    if dtype != torch.float32:
+        return {"DOT_PRECISION": "tf32"}
+    return {"DOT_PRECISION": "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"}

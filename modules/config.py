@@ -67,6 +67,15 @@ class ModelConfig:
     norm_eps: float = 1e-5  # epsilon of every norm (Llama checkpoints use 1e-5 or 1e-6)
     tie_embeddings: bool = False  # the LM head shares the token embedding matrix
     rope_scaling: dict | None = None  # RoPE frequency scaling, e.g. Llama 3's {"rope_type": "llama3", ...}
+    # mixture of experts (num_experts = 0: dense FFNs); each MoE layer routes a token to experts_per_token of
+    # num_experts SwiGLU experts of width moe_d_ff (None: d_ff)
+    num_experts: int = 0
+    experts_per_token: int = 2
+    moe_d_ff: int | None = None
+    norm_topk_prob: bool = True  # renormalise the chosen experts' probabilities to sum to 1 (Mixtral, Qwen3-MoE)
+    router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss in training (transformers' default)
+    shared_expert_d_ff: int | None = None  # a sigmoid-gated shared SwiGLU expert every token runs (Qwen2-MoE)
+    moe_layers: tuple | None = None  # indices of the MoE layers (None: every layer)
 
     def __post_init__(self):
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
@@ -89,10 +98,50 @@ class ModelConfig:
             if self.position != "rope":
                 raise ValueError(f"ModelConfig.rope_scaling needs position='rope', got position={self.position!r}")
             check_rope_scaling(self.rope_scaling)
+        self._check_moe()
         for name, allowed in (("norm", NORMS), ("ffn", FFNS), ("position", POSITIONS),
                               ("norm_position", NORM_POSITIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ModelConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+    def _check_moe(self) -> None:
+        def positive_int(name, value, allow_none=False):
+            if not (allow_none and value is None) and (isinstance(value, bool) or not isinstance(value, int)
+                                                       or value <= 0):
+                raise ValueError(f"ModelConfig.{name} must be a positive int{' or None' if allow_none else ''}, "
+                                 f"got {value!r}")
+
+        if isinstance(self.num_experts, bool) or not isinstance(self.num_experts, int) or self.num_experts < 0:
+            raise ValueError(f"ModelConfig.num_experts must be an int >= 0 (0: dense), got {self.num_experts!r}")
+        if self.moe_layers is not None:  # JSON gives lists back: one hashable, ordered form
+            object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
+        if not self.num_experts:
+            return
+        positive_int("experts_per_token", self.experts_per_token)
+        positive_int("moe_d_ff", self.moe_d_ff, allow_none=True)
+        positive_int("shared_expert_d_ff", self.shared_expert_d_ff, allow_none=True)
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(f"ModelConfig.experts_per_token ({self.experts_per_token}) exceeds num_experts "
+                             f"({self.num_experts})")
+        if self.ffn != "swiglu":
+            raise ValueError(f"mixture-of-experts layers use SwiGLU experts; ffn={self.ffn!r} cannot be combined "
+                             "with num_experts")
+        if isinstance(self.router_aux_loss_coef, bool) or not isinstance(self.router_aux_loss_coef, (int, float)) \
+                or self.router_aux_loss_coef < 0:
+            raise ValueError(f"ModelConfig.router_aux_loss_coef must be a number >= 0, got {self.router_aux_loss_coef!r}")
+        if self.moe_layers is not None and not all(isinstance(i, int) and 0 <= i < self.num_layers
+                                                   for i in self.moe_layers):
+            raise ValueError(f"ModelConfig.moe_layers must be layer indices in [0, {self.num_layers}), got "
+                             f"{self.moe_layers!r}")
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index`` routes its tokens to experts."""
+        return self.num_experts > 0 and (self.moe_layers is None or index in self.moe_layers)
+
+    @property
+    def expert_d_ff(self) -> int:
+        """Each expert's hidden width."""
+        return self.moe_d_ff or self.d_ff
 
     @property
     def d_head(self) -> int:
@@ -141,6 +190,11 @@ def _bench(d_model: int, d_ff: int, layers: int, heads: int) -> dict:
 PRESETS: dict[str, dict] = {
     "tiny": dict(vocab_size=1024, context_length=128, d_model=128, num_layers=4, num_heads=4,
                  d_ff=default_d_ff(128), rope_theta=10000.0),
+    # tiny with every FFN a mixture of 8 experts, 2 per token, each half the dense FFN's width: about the dense
+    # model's active FLOPs per token with 4x its FFN parameters
+    "tiny-moe": dict(vocab_size=1024, context_length=128, d_model=128, num_layers=4, num_heads=4,
+                     d_ff=default_d_ff(128), rope_theta=10000.0, num_experts=8, experts_per_token=2,
+                     moe_d_ff=default_d_ff(128) // 2),
     "gpt2-small": _gpt2(12, 768, 12),
     "gpt2-medium": _gpt2(24, 1024, 16),
     "gpt2-large": _gpt2(36, 1280, 20),

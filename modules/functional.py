@@ -101,3 +101,69 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: 
     if reduction == "sum":
         return per_token.sum()
     return per_token.sum() / keep.sum().clamp(min=1)
+
+
+def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, *, activation: str = "silu") -> torch.Tensor:
+    """The routed experts' FFNs, one expert at a time (the readable spec of ``kernels.moe_experts``).
+
+    For every expert ``e`` and the (token, slot) pairs routed to it: ``h = act(x W_gateᵀ) * (x W_upᵀ)`` with
+    ``[W_gate; W_up] = gate_up_proj[e]`` (``[2I, H]``, gate rows first), ``y = h down_proj[e]ᵀ``, added to each
+    token's output with the pair's routing weight. ``hidden [..., H]``, ``top_k_index / top_k_weights [..., K]``.
+    """
+    acts = {"silu": silu, "gelu_tanh": lambda g: torch.nn.functional.gelu(g, approximate="tanh")}
+    if activation not in acts:
+        raise ValueError(f"activation must be one of {tuple(acts)}, got {activation!r}")
+    d_ff = gate_up_proj.shape[1] // 2
+    x = hidden.reshape(-1, hidden.shape[-1])
+    index = top_k_index.reshape(x.shape[0], -1)
+    weights = top_k_weights.reshape(x.shape[0], -1)
+    out = torch.zeros_like(x)
+    for e in range(gate_up_proj.shape[0]):
+        token, slot = (index == e).nonzero(as_tuple=True)
+        if token.numel() == 0:
+            continue
+        gate_up = einsum(x[token], gate_up_proj[e], "pairs d_model, d_ff2 d_model -> pairs d_ff2")
+        h = acts[activation](gate_up[:, :d_ff]) * gate_up[:, d_ff:]
+        y = einsum(h, down_proj[e], "pairs d_ff, d_model d_ff -> pairs d_model")
+        out = out.index_add(0, token, y * weights[token, slot, None].to(y.dtype))
+    return out.reshape(hidden.shape)
+
+
+def moe_router(hidden: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: bool = True
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k routing of ``hidden [..., H]`` by a router ``weight [E, H]`` (Mixtral / Qwen3-MoE semantics).
+
+    Returns ``(router_logits [T, E]`` in hidden's dtype, ``top_k_weights [T, K]`` fp32, ``top_k_index [T, K])`` for
+    the ``T`` tokens of the flattened leading dims: the softmax over experts is taken in fp32, the ``top_k`` largest
+    probabilities are kept and, with ``norm_topk_prob``, renormalised to sum to 1 per token.
+    """
+    logits = einsum(hidden.reshape(-1, hidden.shape[-1]), weight, "tokens d_model, experts d_model -> tokens experts")
+    probs = softmax(logits.float(), dim=-1)
+    top_k_weights, top_k_index = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        top_k_weights = top_k_weights / top_k_weights.sum(dim=-1, keepdim=True)
+    return logits, top_k_weights, top_k_index
+
+
+def load_balancing_loss(router_logits, num_experts: int, top_k: int,
+                        attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss over every MoE layer's ``router_logits [T, E]`` (a list or tuple):
+    ``E · Σ_e f_e · P_e`` with ``f_e`` the fraction of (token, slot) assignments to expert e and ``P_e`` its mean
+    router probability, both averaged over the layers' tokens together (transformers' ``load_balancing_loss_func``).
+    ``attention_mask [batch, seq]`` (1 = real token) leaves padding out of both averages."""
+    if not isinstance(router_logits, (list, tuple)) or not router_logits:
+        raise ValueError("router_logits must be a non-empty list or tuple of [tokens, experts] tensors")
+    device = router_logits[0].device
+    assigned = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    for logits in router_logits:
+        probs = softmax(logits.float().to(device), dim=-1)
+        chosen = torch.topk(probs, top_k, dim=-1).indices
+        keep = (torch.ones(probs.shape[0], device=device) if attention_mask is None
+                else attention_mask.reshape(-1).to(device=device, dtype=torch.float32))
+        assigned = assigned.scatter_add(0, chosen.reshape(-1), keep.repeat_interleave(top_k))
+        prob_sum = prob_sum + (probs * keep[:, None]).sum(dim=0)
+        rows = rows + keep.sum()
+    return num_experts * torch.sum((assigned / rows) * (prob_sum / rows))

@@ -35,7 +35,8 @@ from .reference import (  # noqa: F401  (unchanged components, re-exported for a
 
 __all__ = [
     "Linear", "Embedding", "RMSNorm", "LayerNorm", "BatchNorm", "RotaryPositionalEmbedding",
-    "SinusoidalPositionalEncoding", "SwiGLU", "ReLUFFN", "SiLUFFN", "MultiHeadSelfAttention", "KVCache",
+    "SinusoidalPositionalEncoding", "SwiGLU", "ReLUFFN", "SiLUFFN", "MoEExperts", "MoEFFN", "MultiHeadSelfAttention",
+    "KVCache",
     "TransformerBlock", "TransformerLM", "fuse", "unfuse", "lm_head_loss",
 ]
 
@@ -107,6 +108,24 @@ class MultiHeadSelfAttention(_ref.MultiHeadSelfAttention):
         return out.reshape(batch, seq, q.shape[-3], q.shape[-1]).transpose(-3, -2)
 
 
+class MoEExperts(_ref.MoEExperts):
+    """:class:`reference.MoEExperts` as the fused grouped GEMMs (``kernels.moe_experts``): dropless, no token
+    copies, deterministic weight gradients."""
+
+    def forward(self, x, top_k_index, top_k_weights):
+        return _kernels().moe_experts(x, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+
+
+class MoEFFN(_ref.MoEFFN):
+    """:class:`reference.MoEFFN` with fused experts (and a fused shared expert's gate)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.experts.__class__ = MoEExperts
+        if self.shared_expert is not None:
+            self.shared_expert.__class__ = SwiGLU
+
+
 def lm_head_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
                  label_smoothing: float = 0.0, z_loss: float = 0.0, check_targets: bool = True) -> torch.Tensor:
     """:func:`reference.lm_head_loss` as the fused linear cross-entropy: the ``[tokens, vocab]`` logits are never
@@ -134,6 +153,8 @@ _FUSED = {
     _ref.RotaryPositionalEmbedding: RotaryPositionalEmbedding,
     _ref.SwiGLU: SwiGLU,
     _ref.MultiHeadSelfAttention: MultiHeadSelfAttention,
+    _ref.MoEExperts: MoEExperts,
+    _ref.MoEFFN: MoEFFN,
 }
 _UNFUSED = {v: k for k, v in _FUSED.items()}
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from .cache import Documents, KVCache
 from .config import ModelConfig
+from .functional import load_balancing_loss
 from .sampling import sample_next
 
 logger = logging.getLogger("tritonlm")
@@ -66,7 +67,11 @@ def _make_norm(kind: str, comps, d_model: int, device, dtype, eps: float = 1e-5)
     raise ValueError(f"unknown norm {kind!r}")
 
 
-def _make_ffn(kind: str, comps, d_model: int, d_ff: int, device, dtype) -> nn.Module:
+def _make_ffn(kind: str, comps, d_model: int, d_ff: int, device, dtype, config: ModelConfig | None = None,
+              layer_idx: int = 0) -> nn.Module:
+    if config is not None and config.is_moe_layer(layer_idx):
+        return comps.MoEFFN(d_model, config.expert_d_ff, config.num_experts, config.experts_per_token,
+                            config.norm_topk_prob, config.shared_expert_d_ff, device=device, dtype=dtype)
     if kind == "swiglu":
         return comps.SwiGLU(d_model, d_ff, device=device, dtype=dtype)
     if kind == "relu":
@@ -96,7 +101,7 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, d_model: int | ModelConfig, num_heads: int | None = None, d_ff: int | None = None,
                  max_seq_len: int | None = None, theta: float | None = None, device=None, dtype=None, *,
-                 backend: str = "reference", **options):
+                 backend: str = "reference", layer_idx: int = 0, **options):
         super().__init__()
         if isinstance(d_model, ModelConfig):
             if num_heads is not None or d_ff is not None or max_seq_len is not None or theta is not None or options:
@@ -118,7 +123,7 @@ class TransformerBlock(nn.Module):
                                                  device=device, dtype=dtype, num_kv_heads=config.num_kv_heads,
                                                  rope_scaling=config.rope_scaling)
         self.ln2 = _make_norm(config.norm, comps, config.d_model, device, dtype, config.norm_eps)
-        self.ffn = _make_ffn(config.ffn, comps, config.d_model, config.d_ff, device, dtype)
+        self.ffn = _make_ffn(config.ffn, comps, config.d_model, config.d_ff, device, dtype, config, layer_idx)
 
     def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None,
                 kv_cache=None, *, pending: torch.Tensor | None = None, return_pending: bool = False,
@@ -188,8 +193,8 @@ class TransformerLM(nn.Module):
                                                                         device=device)
         else:
             self.position_encoding = None
-        self.layers = nn.ModuleList(TransformerBlock(config, device=device, dtype=dtype, backend=self.backend)
-                                    for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(TransformerBlock(config, device=device, dtype=dtype, backend=self.backend,
+                                                     layer_idx=i) for i in range(config.num_layers))
         # one RoPE module (its cos/sin tables) shared by every layer: long-context checkpoints would otherwise
         # hold num_layers copies of [context_length, d_head / 2] tables
         ropes = [layer.attn.rope for layer in self.layers]
@@ -225,8 +230,8 @@ class TransformerLM(nn.Module):
         return self.lm_head(hidden)
 
     def loss(self, token_ids: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
-             label_smoothing: float = 0.0, z_loss: float = 0.0, document_ids: torch.Tensor | None = None
-             ) -> torch.Tensor:
+             label_smoothing: float = 0.0, z_loss: float = 0.0, document_ids: torch.Tensor | None = None,
+             aux_loss: bool | None = None) -> torch.Tensor:
         """Mean next-token cross-entropy of ``token_ids[batch, seq]`` against ``targets[batch, seq]``.
 
         ``ignore_index`` targets are skipped (the mean is over the others); ``label_smoothing`` as in
@@ -234,19 +239,48 @@ class TransformerLM(nn.Module):
         with ``linear_cross_entropy`` and never forms the ``[batch, seq, vocab]`` logits; the reference backend
         forms them and applies :func:`tritonlm.modules.functional.cross_entropy`. Goes through ``forward``, so
         DDP/FSDP/``torch.compile`` wrappers see the whole computation.
+
+        A mixture-of-experts model adds ``router_aux_loss_coef`` times the load-balancing loss of this forward
+        (:meth:`router_aux_loss`) when ``aux_loss`` is True, or when it is None and the model is training.
         """
         return self(token_ids, document_ids=document_ids, targets=targets, ignore_index=ignore_index,
-                    label_smoothing=label_smoothing, z_loss=z_loss)
+                    label_smoothing=label_smoothing, z_loss=z_loss, aux_loss=aux_loss)
+
+    def _moe_layers(self) -> list[nn.Module]:
+        return [layer.ffn for layer in self.layers if getattr(layer.ffn, "router_logits", None) is not None]
+
+    def router_aux_loss(self) -> torch.Tensor:
+        """The load-balancing loss (:func:`functional.load_balancing_loss`) of the last forward's MoE layers."""
+
+        moe = self._moe_layers()
+        if not moe:
+            raise ValueError("router_aux_loss: no mixture-of-experts layer has run a forward yet")
+        return load_balancing_loss([ffn.router_logits for ffn in moe], self.config.num_experts,
+                                   self.config.experts_per_token)
+
+    def expert_load(self) -> torch.Tensor:
+        """Fraction of the last forward's routed (token, slot) pairs that each expert received, over all MoE
+        layers: ``[num_experts]``, summing to 1 (uniform: ``1 / num_experts`` each)."""
+        moe = self._moe_layers()
+        if not moe:
+            raise ValueError("expert_load: no mixture-of-experts layer has run a forward yet")
+        counts = sum(ffn.expert_tokens for ffn in moe).double()
+        return counts / counts.sum().clamp_min(1)
 
     def _loss_from_hidden(self, hidden: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
-                          label_smoothing: float = 0.0, z_loss: float = 0.0) -> torch.Tensor:
+                          label_smoothing: float = 0.0, z_loss: float = 0.0, aux_loss: bool | None = None
+                          ) -> torch.Tensor:
         if targets.shape != hidden.shape[:-1]:
             raise ValueError(f"targets {tuple(targets.shape)} must match token_ids {tuple(hidden.shape[:-1])}")
         # the backend's own loss: the fused one never forms the [tokens, vocab] logits; targets come from the ids'
         # data, so a trainer that validated it once (check_ids off) skips the per-step range check (a host sync)
-        return components(self.backend).lm_head_loss(
+        loss = components(self.backend).lm_head_loss(
             self.lm_head, hidden, targets, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
             check_targets=self.token_embeddings.check_ids)
+        with_aux = self.training if aux_loss is None else aux_loss
+        if with_aux and self.config.num_experts and self.config.router_aux_loss_coef:
+            loss = loss + self.config.router_aux_loss_coef * self.router_aux_loss()
+        return loss
 
     def hidden_states(self, token_ids: torch.Tensor, token_positions: torch.Tensor | None = None,
                       kv_caches=None, *, document_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -22,7 +22,7 @@ from .model import TransformerBlock, TransformerLM, register_components  # noqa:
 
 __all__ = [
     "Linear", "Embedding", "RMSNorm", "LayerNorm", "BatchNorm", "RotaryPositionalEmbedding",
-    "SinusoidalPositionalEncoding", "SwiGLU", "ReLUFFN", "SiLUFFN", "MultiHeadSelfAttention",
+    "SinusoidalPositionalEncoding", "SwiGLU", "ReLUFFN", "SiLUFFN", "MoEExperts", "MoEFFN", "MultiHeadSelfAttention",
     "KVCache", "TransformerBlock", "TransformerLM", "lm_head_loss",
 ]
 
@@ -311,6 +311,62 @@ class SiLUFFN(ReLUFFN):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)))
+
+
+class MoEExperts(nn.Module):
+    """``num_experts`` SwiGLU experts stored stacked, in transformers 5's layout: ``gate_up_proj [E, 2I, d_model]``
+    (each expert's gate rows, then its up rows) and ``down_proj [E, d_model, I]``; each matrix initialised like a
+    :class:`Linear` of its shape."""
+
+    def __init__(self, num_experts: int, d_model: int, d_ff: int, device=None, dtype=None):
+        super().__init__()
+        self.num_experts, self.d_model, self.d_ff = num_experts, d_model, d_ff
+        std_in, std_out = math.sqrt(2.0 / (d_model + d_ff)), math.sqrt(2.0 / (d_ff + d_model))
+        self.gate_up_proj = nn.Parameter(_trunc_normal_(
+            torch.empty(num_experts, 2 * d_ff, d_model, device=device, dtype=dtype), std_in))
+        self.down_proj = nn.Parameter(_trunc_normal_(
+            torch.empty(num_experts, d_model, d_ff, device=device, dtype=dtype), std_out))
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """``x [tokens, d_model]``, routing ``[tokens, K]`` -> ``[tokens, d_model]``: one expert at a time."""
+        return F.moe_experts(x, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+
+
+class MoEFFN(nn.Module):
+    """A mixture-of-experts FFN: a router picks ``top_k`` of ``num_experts`` SwiGLU experts per token
+    (:func:`functional.moe_router`: fp32 softmax, top-k, renormalised with ``norm_topk_prob``); the token's output
+    is their outputs weighted by those probabilities. With ``shared_d_ff`` a shared SwiGLU expert every token runs is
+    added, scaled by a sigmoid gate (Qwen2-MoE). Parameters: ``router.weight [E, d_model]``, ``experts.*``,
+    ``shared_expert.w1/w2/w3``, ``shared_expert_gate.weight [1, d_model]``.
+
+    After each forward, ``router_logits [tokens, E]`` and ``expert_tokens [E]`` (pairs routed to each expert) hold
+    that call's routing, read by the model for the load-balancing loss and the log.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, norm_topk_prob: bool = True,
+                 shared_d_ff: int | None = None, device=None, dtype=None):
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.router = Linear(d_model, num_experts, device=device, dtype=dtype)
+        self.experts = MoEExperts(num_experts, d_model, d_ff, device=device, dtype=dtype)
+        self.shared_expert = self.shared_expert_gate = None
+        if shared_d_ff:
+            self.shared_expert = SwiGLU(d_model, shared_d_ff, device=device, dtype=dtype)
+            self.shared_expert_gate = Linear(d_model, 1, device=device, dtype=dtype)
+        self.router_logits: torch.Tensor | None = None
+        self.expert_tokens: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x[..., d_model] -> [..., d_model]``."""
+        flat = x.reshape(-1, x.shape[-1])
+        logits, weights, index = F.moe_router(flat, self.router.weight, self.top_k, self.norm_topk_prob)
+        self.router_logits = logits
+        self.expert_tokens = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device).scatter_add_(
+            0, index.reshape(-1), torch.ones_like(index.reshape(-1)))
+        out = self.experts(flat, index, weights)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.reshape(x.shape)
 
 
 def lm_head_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,

@@ -43,7 +43,7 @@ def test_tokenize_cli_train_encode_stats(tmp_path):
     assert r.returncode == 0, r.stderr
     import numpy as np
 
-    from tritonlm.train import load_tokenizer
+    from tritonlm.tokenizer import load_tokenizer
 
     arr = np.load(tmp_path / "t.npy")
     assert arr.dtype == np.uint16

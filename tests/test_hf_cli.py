@@ -66,8 +66,8 @@ def test_generate_from_hf_dir_equals_transformers(hf_dir, capsys):
 def test_train_init_from_hf_dir(hf_dir, tmp_path, capsys):
     """Fine-tuning starts from the checkpoint's weights (a vanishing learning rate keeps them), uses its
     tokenizer.json, and the run directory then generates."""
+    from tritonlm.generate import load_for_generation
     from tritonlm.hf import from_pretrained
-    from tritonlm.train import load_for_generation
 
     path, _, tok = hf_dir
     data = tmp_path / "text.txt"
@@ -107,7 +107,7 @@ def test_accounting_hf(hf_dir, capsys):
 def test_generate_never_samples_undecodable_ids(hf_dir, monkeypatch):
     """Sampling (not only greedy) from a model whose padded ids are the most likely: the text is never lost to
     an unknown id."""
-    from tritonlm.train import generate_ids, load_for_generation
+    from tritonlm.generate import generate_ids, load_for_generation
 
     path, _, tok = hf_dir
     model, tokenizer = load_for_generation(path, "cpu", "reference")

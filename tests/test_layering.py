@@ -97,3 +97,13 @@ def test_no_import_cycles_between_modules():
 def test_memory_counting_uses_no_private_report_helper():
     names = [name for _, name in _imports(REPO / "tritonlm" / "memory.py")]
     assert "kernel_report" not in names
+
+
+def test_train_holds_the_loop_and_only_the_cli_imports_it():
+    """Tokenizer lookup, data preparation and loading for generation live below the training loop; the loop's
+    module is the CLI's to import (``tritonlm._base`` is the bottom every module may use)."""
+    graph = _graph()
+    assert sorted(name for name, edges in graph.items() if "tritonlm.train" in edges) == ["tritonlm.cli"]
+    assert graph["tritonlm._base"] <= {"tritonlm.kernels", "tritonlm.modules", "tritonlm.modules.model"}
+    for low in ("tritonlm.tokenizer", "tritonlm.data", "tritonlm.generate"):
+        assert "tritonlm.train" not in graph[low] and "tritonlm.cli" not in graph[low], low

@@ -28,7 +28,8 @@ def test_every_op_names_a_reference_twin_and_how_it_is_benchmarked():
 
 def test_tuned_fields_come_from_the_registered_tunables():
     fields = tuned.fields()
-    assert set(fields) == {"attention_fwd", "attention_bwd", "rms_norm", "rope", "swiglu"}
+    assert set(fields) == {"attention_fwd", "attention_bwd", "rms_norm", "rope", "swiglu", "moe_up", "moe_down",
+                           "moe_down_bwd", "moe_dx", "moe_weight_grad"}
     assert fields["rms_norm"] == ("BLOCK_M", "num_warps") and "TMA" in fields["attention_fwd"]
     with pytest.raises(tuned.TunedTableError, match="unknown kernel 'geglu'"):
         tuned.validate({"version": 1, "kernels": {"geglu": {"bf16": {"BLOCK": 1024}}}})

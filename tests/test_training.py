@@ -198,7 +198,7 @@ def test_resume_from_mid_run_checkpoint_is_bitwise_identical(corpus, tmp_path, m
 
 
 def test_generation_is_deterministic_under_a_seed(corpus, tmp_path):
-    from tritonlm.train import generate_text, load_for_generation
+    from tritonlm.generate import generate_text, load_for_generation
 
     train(_cfg(corpus, tmp_path / "g", sample_tokens=0), say=lambda *a: None)
     model, tok = load_for_generation(tmp_path / "g", device="cpu", backend="reference")
@@ -287,7 +287,7 @@ def test_cli_main_job_on_embedded_corpus(tmp_path):
 
     n_new = int(re.search(r"\[(\d+) tokens", g.stderr).group(1))
     assert 1 <= n_new <= 5
-    from tritonlm.train import generate_ids, load_for_generation
+    from tritonlm.generate import generate_ids, load_for_generation
 
     model, tok = load_for_generation(out, "cpu", "reference")
     expected = tok.decode(generate_ids(model, tok, "The", 5, temperature=0))
@@ -417,7 +417,7 @@ def test_bin_token_files_use_the_width_the_vocabulary_needs(tmp_path, corpus):
     cfg = _cfg(big, tmp_path / "b", max_steps=2, sample_tokens=0, eval_every=0)
     cfg.model_overrides = {**cfg.model_overrides, "vocab_size": 70_000}
     train(cfg, say=lambda *a: None)  # read as uint16 the ids would wrap below 65,536 and the run still "work"
-    from tritonlm.train import prepare_data
+    from tritonlm.data import prepare_data
 
     tokens, _, _ = prepare_data(cfg, tmp_path / "b", 70_000, say=lambda *a: None)
     assert tokens.dtype == np.uint32 and int(tokens[:10].min()) == 69_999 and len(tokens) == 4000
@@ -478,3 +478,23 @@ def test_sampling_top_k_top_p_and_temperature_frequencies():
     assert torch.equal(sample_next(logits[:3], temperature=0), torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="top_p"):
         sample_next(logits[:1], top_p=1.5)
+
+
+def test_moe_training_logs_aux_loss_and_expert_load_and_generates(corpus, tmp_path):
+    """A mixture-of-experts run: the loss still drops, each log line carries the load-balancing loss and the least /
+    most loaded expert's share, and the checkpoint loads for generation with its MoE layers."""
+    from tritonlm.generate import generate_ids, load_for_generation
+
+    cfg = _cfg(corpus, tmp_path / "moe", max_steps=20, preset="tiny-moe")
+    cfg.model_overrides = {**cfg.model_overrides, "num_experts": 4, "experts_per_token": 2, "moe_d_ff": 32}
+    said = []
+    train(cfg, say=said.append)
+    assert any("active per token" in line and "4 experts" in line for line in said)
+    log = [json.loads(line) for line in (tmp_path / "moe" / "log.jsonl").read_text().splitlines()]
+    train_lines = [e for e in log if "loss" in e]
+    assert train_lines[-1]["loss"] < train_lines[0]["loss"]
+    for e in train_lines:
+        assert e["aux_loss"] > 0 and 0 <= e["expert_load_min"] <= 0.25 <= e["expert_load_max"] <= 1
+    model, tokenizer = load_for_generation(tmp_path / "moe", device="cpu", backend="reference")
+    assert model.config.num_experts == 4 and type(model.layers[0].ffn).__name__ == "MoEFFN"
+    assert len(generate_ids(model, tokenizer, "the cat", 5, temperature=0)) <= 5

@@ -4,6 +4,9 @@ FLOPs count matrix multiplies only, 2·m·n·k each (the seeds' convention): ele
 softmax, activations) is a rounding error next to them. The attention matmuls (QKᵀ and PV) are counted
 over the full seq×seq square, as the seeds do, even though a causal kernel skips half of it; MFU figures
 therefore follow the same formula the literature uses.
+
+Mixture-of-experts layers have *total* parameters (every expert) and *active* ones (what one token computes: the
+router, ``experts_per_token`` experts, the shared expert); FLOPs, and so MFU, count the active work.
 """
 
 from __future__ import annotations
@@ -33,21 +36,34 @@ def _ffn_matrices(cfg: ModelConfig) -> int:
     return 3 if cfg.ffn == "swiglu" else 2
 
 
-def param_count(cfg: ModelConfig) -> int:
-    """Trainable parameters: embeddings + layers (attention, FFN, two norms) + final norm + LM head."""
+def _ffn_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
+    """Parameters of layer ``layer``'s FFN; ``active``: those one token uses (an MoE layer's routed experts)."""
+    d = cfg.d_model
+    if not cfg.is_moe_layer(layer):
+        return _ffn_matrices(cfg) * d * cfg.d_ff
+    experts = cfg.experts_per_token if active else cfg.num_experts
+    shared = 3 * d * cfg.shared_expert_d_ff + d if cfg.shared_expert_d_ff else 0  # + its sigmoid gate
+    return cfg.num_experts * d + experts * 3 * d * cfg.expert_d_ff + shared  # router, experts, shared expert
+
+
+def param_count(cfg: ModelConfig, active: bool = False) -> int:
+    """Trainable parameters: embeddings + layers (attention, FFN, two norms) + final norm + LM head. ``active``:
+    the parameters one token's forward uses (differs from the total in mixture-of-experts models only)."""
     d, d_kv = cfg.d_model, cfg.kv_heads * cfg.d_head
     # q and output projections d x d; k and v d x (kv heads x d_head) (smaller under GQA)
-    per_layer = 2 * d * d + 2 * d * d_kv + _ffn_matrices(cfg) * d * cfg.d_ff + 2 * _norm_params(cfg)
+    attention_and_norms = 2 * d * d + 2 * d * d_kv + 2 * _norm_params(cfg)
+    layers = sum(attention_and_norms + _ffn_params(cfg, i, active) for i in range(cfg.num_layers))
     final_norm = _norm_params(cfg) if cfg.norm_position == "pre" else 0
     lm_head = 0 if cfg.tie_embeddings else d * cfg.vocab_size  # tied: the embedding matrix is the head
-    return cfg.vocab_size * d + cfg.num_layers * per_layer + final_norm + lm_head
+    return cfg.vocab_size * d + layers + final_norm + lm_head
 
 
 def forward_flops(cfg: ModelConfig, seq_len: int, batch_size: int = 1) -> dict:
     """Matmul FLOPs of one forward pass over ``batch_size`` sequences of ``seq_len`` tokens.
 
     Returns a dict with ``attention_projections`` (Q, K, V, output), ``attention_matmuls`` (QKᵀ and
-    PV), ``ffn``, ``lm_head`` and ``total``.
+    PV), ``ffn`` (an MoE layer's router and the experts a token is routed to: active FLOPs), ``lm_head`` and
+    ``total``.
     """
     if seq_len <= 0 or batch_size <= 0:
         raise ValueError("seq_len and batch_size must be positive")
@@ -58,7 +74,7 @@ def forward_flops(cfg: ModelConfig, seq_len: int, batch_size: int = 1) -> dict:
         "attention_projections": layers * 2 * tokens * d * (2 * d + 2 * d_kv),
         # QKᵀ: [seq, d_head] x [d_head, seq] per head, then P·V: [seq, seq] x [seq, d_head] per head
         "attention_matmuls": layers * 2 * 2 * batch_size * seq_len * seq_len * d,
-        "ffn": layers * _ffn_matrices(cfg) * 2 * tokens * d * cfg.d_ff,
+        "ffn": sum(2 * tokens * _ffn_params(cfg, i, active=True) for i in range(layers)),
         "lm_head": 2 * tokens * d * cfg.vocab_size,
     }
     out["total"] = sum(out.values())
@@ -87,13 +103,17 @@ def activation_elements(cfg: ModelConfig, seq_len: int, batch_size: int = 1) -> 
     """
     b, s, d, h = batch_size, seq_len, cfg.d_model, cfg.num_heads
     d_kv = cfg.kv_heads * cfg.d_head  # K and V are this wide (d_model unless GQA)
-    ffn_hidden = (4 if cfg.ffn == "swiglu" else 2) * b * s * cfg.d_ff
-    per_layer = b * s * d * (2 + 1 + 1 + 1 + 1) + 2 * b * s * d_kv + 2 * b * h * s * s + ffn_hidden
+    dense_ffn = (4 if cfg.ffn == "swiglu" else 2) * b * s * cfg.d_ff
+    # an MoE layer: its router logits, each routed pair's two projections, activation and product
+    moe_ffn = b * s * cfg.num_experts + 4 * b * s * cfg.experts_per_token * cfg.expert_d_ff + (
+        4 * b * s * cfg.shared_expert_d_ff if cfg.shared_expert_d_ff else 0)
+    attention = b * s * d * (2 + 1 + 1 + 1 + 1) + 2 * b * s * d_kv + 2 * b * h * s * s
+    layers = [attention + (moe_ffn if cfg.is_moe_layer(i) else dense_ffn) for i in range(cfg.num_layers)]
     return {
-        "per_layer": per_layer,
-        "layers": cfg.num_layers * per_layer,
+        "per_layer": layers[0],
+        "layers": sum(layers),
         "head": b * s * d + 2 * b * s * cfg.vocab_size,
-        "total": cfg.num_layers * per_layer + b * s * d + 2 * b * s * cfg.vocab_size,
+        "total": sum(layers) + b * s * d + 2 * b * s * cfg.vocab_size,
     }
 
 

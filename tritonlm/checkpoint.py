@@ -11,6 +11,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+#: The file a training run checkpoints to, in its output directory.
+CHECKPOINT_NAME = "checkpoint.pt"
+
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The plain module under ``torch.compile`` / DDP wrappers (so keys have no prefixes)."""

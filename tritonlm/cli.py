@@ -61,8 +61,15 @@ def cmd_accounting(args) -> int:
     name = f"{args.hf} (Hugging Face)" if args.hf else f"preset {args.preset}"
     print(f"{name}: vocab {cfg.vocab_size}, context {cfg.context_length}, d_model {cfg.d_model}, "
           f"layers {cfg.num_layers}, heads {cfg.num_heads} (kv heads {cfg.kv_heads}), d_ff {cfg.d_ff}"
-          + (", tied embeddings" if cfg.tie_embeddings else ""))
-    print(f"parameters: {n:,} ({_fmt_bytes(4 * n)} in fp32, {_fmt_bytes(2 * n)} in bf16)\n")
+          + (", tied embeddings" if cfg.tie_embeddings else "")
+          + (f", {cfg.num_experts} experts ({cfg.experts_per_token} per token, d_ff {cfg.expert_d_ff})"
+             if cfg.num_experts else ""))
+    print(f"parameters: {n:,} ({_fmt_bytes(4 * n)} in fp32, {_fmt_bytes(2 * n)} in bf16)")
+    if cfg.num_experts:
+        active = accounting.param_count(cfg, active=True)
+        print(f"active parameters per token: {active:,} ({100 * active / n:.1f}% of the total; FLOPs and MFU count "
+              "the active work)")
+    print()
     f = accounting.forward_flops(cfg, args.seq_len, args.batch)
     rows = [[k, _fmt_count(v), f"{100 * v / f['total']:.1f}%"] for k, v in f.items()]
     print(f"forward matmul FLOPs, batch {args.batch} x seq {args.seq_len} "
@@ -77,7 +84,7 @@ def cmd_accounting(args) -> int:
     print("\nscaling: forward FLOPs by preset and sequence length (attention-matmul share)")
     seqs = [512, 1024, 2048, 4096, 8192, 16384]
     rows = []
-    for name in [p for p in PRESETS if p != "tiny"]:
+    for name in [p for p in PRESETS if not p.startswith("tiny")]:
         c = ModelConfig.preset(name)
         row = [name]
         for s in seqs:
@@ -105,7 +112,15 @@ def cmd_accounting(args) -> int:
 # train / generate
 # ----------------------------------------------------------------------------------------------------
 _MODEL_SIZE_FLAGS = ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "num_kv_heads", "d_ff",
-                     "rope_theta", "norm", "ffn", "position", "norm_position")
+                     "rope_theta", "norm", "ffn", "position", "norm_position", "num_experts", "experts_per_token",
+                     "moe_d_ff")
+_FLAG_HELP = {
+    "num_kv_heads": "key/value heads for grouped-query attention (a divisor of --num-heads; default = num_heads)",
+    "num_experts": "mixture of experts: SwiGLU experts per FFN layer (0 = dense; the tiny-moe preset has 8); the "
+                   "training loss adds the load-balancing loss and the log shows it and the expert load",
+    "experts_per_token": "mixture of experts: experts each token is routed to (default 2)",
+    "moe_d_ff": "mixture of experts: each expert's hidden width (default: d_ff)",
+}
 
 
 def cmd_train(args) -> int:
@@ -134,7 +149,8 @@ def cmd_train(args) -> int:
 def cmd_generate(args) -> int:
     import time
 
-    from .train import TrainError, generate_ids, load_for_generation, vocab_mismatch
+    from ._base import TrainError
+    from .generate import generate_ids, load_for_generation, vocab_mismatch
 
     if args.max_new_tokens < 0:
         raise CLIError(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
@@ -169,8 +185,16 @@ def cmd_tokenize(args) -> int:
     import time
     from pathlib import Path
 
-    from .tokenizer import Tokenizer, encode_file, first_invalid_utf8, train_bpe
-    from .train import SPECIAL_TOKENS, SPECIAL_TOKENS_FILE, TrainError, load_tokenizer
+    from ._base import TrainError
+    from .tokenizer import (
+        SPECIAL_TOKENS,
+        SPECIAL_TOKENS_FILE,
+        Tokenizer,
+        encode_file,
+        first_invalid_utf8,
+        load_tokenizer,
+        train_bpe,
+    )
 
     src = Path(args.input)
     if not src.is_file():
@@ -405,8 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name in _MODEL_SIZE_FLAGS:
         kind = str if name in ("norm", "ffn", "position", "norm_position") else (float if name == "rope_theta" else int)
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
-                       help=("key/value heads for grouped-query attention (a divisor of --num-heads; default "
-                             "= num_heads)") if name == "num_kv_heads" else f"override the preset's {name}")
+                       help=_FLAG_HELP.get(name, f"override the preset's {name}"))
     p.add_argument("--max-steps", type=int, default=300, help="optimizer steps (default 300)")
     p.add_argument("--batch-size", type=int, default=32, help="sequences per step per process (default 32)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")

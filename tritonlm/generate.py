@@ -1,7 +1,125 @@
-"""Sampling for generation: :func:`sample_next` (temperature, top-k, nucleus). It lives with the model in
-``tritonlm.modules.sampling`` (the model's ``generate`` uses it; layers import downward only) and is re-exported
-here, its public home."""
+"""Generation: sampling (:func:`sample_next`, temperature, top-k, nucleus; it lives with the model in
+``tritonlm.modules.sampling``, re-exported here, its public home), text and ids after a prompt, and loading a
+model with its tokenizer from a training run's checkpoint or a local Hugging Face directory."""
 
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ._base import TrainError, resolve_device, runnable_backend
+from .checkpoint import CHECKPOINT_NAME, read_checkpoint
+from .modules import ModelConfig, TransformerLM
 from .modules.sampling import sample_next
+from .tokenizer import load_tokenizer
 
-__all__ = ["sample_next"]
+__all__ = ["sample_next", "generate_text", "generate_ids", "vocab_mismatch", "is_hf_model_dir", "load_for_generation"]
+
+
+def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 1.0,
+                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> str:
+    """Continue ``prompt``; stops at ``<|endoftext|>``. Returns the new text only."""
+    return tokenizer.decode(generate_ids(model, tokenizer, prompt, max_new_tokens, temperature, top_k, top_p, seed))
+
+
+def generate_ids(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> list[int]:
+    """The new token ids after ``prompt`` (up to, not including, ``<|endoftext|>``). The prompt is encoded as
+    transformers would (a tokenizer.json's post-processor adds its BOS), and only ids the tokenizer can decode
+    are sampled (see :func:`vocab_mismatch`)."""
+    ids = tokenizer.encode(prompt, add_special_tokens=True)
+    if not ids:
+        raise TrainError("the prompt encodes to no tokens")
+    if max(ids) >= model.vocab_size:
+        raise TrainError(f"the prompt encodes to id {max(ids)}, outside the model's vocabulary of {model.vocab_size}")
+    device = next(model.parameters()).device
+    gen = None
+    if seed is not None:
+        gen = torch.Generator(device=device).manual_seed(seed)
+    # a Hugging Face model names its end-of-sequence id(s); tritonlm's own runs end documents with <|endoftext|>
+    eos = (getattr(model, "hf_config", None) or {}).get("eos_token_id")
+    if eos is None:
+        eos = tokenizer._special_ids.get("<|endoftext|>")
+    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    allowed = torch.zeros(model.vocab_size, dtype=torch.bool)
+    allowed[[i for i in tokenizer.vocab if 0 <= i < model.vocab_size]] = True
+    out = model.generate(torch.tensor(ids, device=device), max_new_tokens, temperature=temperature, top_k=top_k,
+                         top_p=top_p, eos_id=eos, generator=gen, allowed=None if bool(allowed.all()) else allowed)
+    new = out[len(ids):].tolist()
+    stops = [i for i, t in enumerate(new) if t in eos_ids]
+    return new[:stops[0]] if stops else new
+
+
+def vocab_mismatch(model, tokenizer) -> str | None:
+    """One line naming how the model's vocabulary and the tokenizer's ids differ, or None when they match.
+    Generation never samples an id the tokenizer cannot decode (a vocabulary padded to a multiple of 64/128 is
+    common in Hugging Face checkpoints)."""
+    ids = set(tokenizer.vocab)
+    beyond = sum(1 for i in ids if i >= model.vocab_size)
+    holes = model.vocab_size - sum(1 for i in ids if i < model.vocab_size)
+    if not beyond and not holes:
+        return None
+    parts = []
+    if holes:
+        parts.append(f"{holes} of the model's {model.vocab_size} ids are not in the tokenizer and are never sampled")
+    if beyond:
+        parts.append(f"{beyond} tokenizer ids are beyond the model's vocabulary")
+    return "vocab: " + "; ".join(parts)
+
+
+def is_hf_model_dir(path) -> bool:
+    """A local Hugging Face model directory: config.json and safetensors weights, no tritonlm checkpoint."""
+    path = Path(path)
+    return (path.is_dir() and (path / "config.json").is_file() and not (path / CHECKPOINT_NAME).exists()
+            and any(path.glob("*.safetensors")))
+
+
+def _load_hf_for_generation(path: Path, device, backend):
+    from .hf.checkpoint import from_pretrained
+
+    tokenizer = load_tokenizer(path)  # before the weights: a missing tokenizer.json is found at once
+    dev = resolve_device(device)
+    backend = runnable_backend(backend, dev)
+    try:
+        # CPU matmuls are fastest in fp32; on GPUs keep the checkpoint's dtype
+        model = from_pretrained(path, backend=backend, device=dev, dtype=torch.float32 if dev.type == "cpu" else None)
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        raise TrainError(f"{path}: {e}") from None
+    model.eval()
+    return model, tokenizer
+
+
+def load_for_generation(checkpoint_dir, device="auto", backend="auto"):
+    """``(model, tokenizer)`` from a training output directory (or a checkpoint file inside one), or from a local
+    Hugging Face Llama/Mistral directory (config.json, safetensors, tokenizer.json)."""
+    path = Path(checkpoint_dir)
+    if is_hf_model_dir(path):
+        return _load_hf_for_generation(path, device, backend)
+    ckpt = path / CHECKPOINT_NAME if path.is_dir() else path
+    if not ckpt.exists():
+        raise TrainError(f"no checkpoint at {ckpt}")
+    dev = resolve_device(device)
+    backend = runnable_backend(backend, dev)
+    try:
+        payload = read_checkpoint(ckpt, map_location=dev)
+    except Exception as e:  # unpickling errors, truncated zip files, wrong formats: one line, the file named
+        raise TrainError(f"{ckpt}: not a readable checkpoint ({type(e).__name__})") from None
+    if not isinstance(payload, dict) or "model_config" not in payload or "model" not in payload:
+        raise TrainError(f"{ckpt}: has no model_config; generate needs a checkpoint written by `tritonlm train` "
+                         "(save_checkpoint() alone stores weights without the model's sizes)")
+    mcfg = ModelConfig.from_dict(payload["model_config"])
+    model = TransformerLM.from_config(mcfg, device=dev, backend=backend)
+    model.load_state_dict(payload["model"])
+    model.eval()
+    tok_dir = payload.get("tokenizer")
+    local = ckpt.parent / "tokenizer"
+    if local.is_dir():
+        tok_dir = local
+    if not tok_dir or not Path(tok_dir).is_dir():
+        raise TrainError(f"the checkpoint names no tokenizer directory that exists ({tok_dir})")
+    if (Path(tok_dir) / "config.json").is_file():  # fine-tuned with --init-from: the HF directory's token ids
+        from .hf.checkpoint import read_hf_config
+
+        model.hf_config = read_hf_config(tok_dir)
+    return model, load_tokenizer(tok_dir)

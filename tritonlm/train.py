@@ -17,10 +17,7 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +26,9 @@ import numpy as np
 import torch
 
 from . import accounting
+from ._base import Dist, TrainError, all_mean, resolve_device, runnable_backend, setup_distributed  # noqa: F401
 from .checkpoint import (
+    CHECKPOINT_NAME,
     optimizer_param_names,
     optimizer_state_keyed,
     read_checkpoint,
@@ -39,12 +38,19 @@ from .checkpoint import (
     write_text_atomic,
 )
 from .config import ModelConfig
-from .data import batch_at, document_ids, sample_starts
+from .data import (  # noqa: F401  (prepare_data, default_corpus_text: their homes moved, the names stay)
+    batch_at,
+    default_corpus_text,
+    document_ids,
+    fingerprint,
+    prepare_data,
+    sample_starts,
+    unigram_entropy,
+)
+from .generate import generate_ids, generate_text, load_for_generation, vocab_mismatch  # noqa: F401
 from .modules import TransformerLM
 from .optim import AdamW, clip_grad_norm_, cosine_lr_schedule
-
-SPECIAL_TOKENS = ["<|endoftext|>"]
-CHECKPOINT_NAME = "checkpoint.pt"
+from .tokenizer import SPECIAL_TOKENS, SPECIAL_TOKENS_FILE, find_tokenizer_files, load_tokenizer  # noqa: F401
 
 
 @dataclass
@@ -94,251 +100,9 @@ class TrainConfig:
         return d
 
 
-class TrainError(ValueError):
-    """A bad training input, reported as one line by the CLI."""
-
-
-# ----------------------------------------------------------------------------------------------------
-# distributed
-# ----------------------------------------------------------------------------------------------------
-@dataclass
-class Dist:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def setup_distributed(device: torch.device) -> Dist:
-    """Join the process group when launched by ``torchrun`` (RANK/WORLD_SIZE set)."""
-    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return Dist()
-    import torch.distributed as dist
-
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend)
-    return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
-
-
-def _all_mean(value: torch.Tensor, d: Dist) -> torch.Tensor:
-    if d.world == 1:
-        return value
-    import torch.distributed as dist
-
-    value = value.detach().clone()
-    dist.all_reduce(value, op=dist.ReduceOp.SUM)
-    return value / d.world
-
-
-# ----------------------------------------------------------------------------------------------------
-# data
-# ----------------------------------------------------------------------------------------------------
-def default_corpus_text() -> str:
-    """The embedded default corpus: Python's own ``pydoc_data.topics`` texts, in key order."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k] for k in sorted(topics))
-
-
-def _fingerprint(path: Path) -> str:
-    st = path.stat()
-    return hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-
-
-def find_tokenizer_files(location) -> tuple[Path, ...]:
-    """The files that define a tokenizer directory: a Hugging Face ``tokenizer.json``, else ``vocab.json`` and
-    ``merges.txt`` (or GPT-2's ``*vocab.json``/``*merges.txt``)."""
-    loc = Path(location)
-    if loc.is_file() and loc.name == HF_TOKENIZER_FILE:  # a tokenizer.json named directly
-        return (loc,)
-    if not loc.is_dir():
-        raise TrainError(f"tokenizer not found: {loc} (a directory, or its tokenizer.json)")
-    if (loc / HF_TOKENIZER_FILE).is_file():
-        return (loc / HF_TOKENIZER_FILE,)
-    vocab = sorted(loc.glob("*vocab.json"))
-    merges = sorted(loc.glob("*merges.txt"))
-    if len(vocab) != 1 or len(merges) != 1:
-        raise TrainError(f"{loc} must hold a tokenizer.json, or exactly one *vocab.json and one *merges.txt")
-    return vocab[0], merges[0]
-
-
-def tokenizer_dir(location) -> Path:
-    """The tokenizer directory of ``--tokenizer``: the directory itself, or the one holding a tokenizer.json
-    named directly (so checkpoints and resumes record a directory)."""
-    loc = Path(location)
-    find_tokenizer_files(loc)  # a one-line error now when there is no tokenizer there
-    return loc.parent if loc.is_file() else loc
-
-
-SPECIAL_TOKENS_FILE = "special_tokens.json"
-HF_TOKENIZER_FILE = "tokenizer.json"
-
-
-def read_special_tokens(location) -> list[str]:
-    """The special tokens a tokenizer directory was trained with (``special_tokens.json``, written beside
-    vocab.json by ``tritonlm train`` / ``tritonlm tokenize``); ``<|endoftext|>`` for directories without one
-    (GPT-2's own files)."""
-    path = Path(location) / SPECIAL_TOKENS_FILE
-    if not path.exists():
-        return list(SPECIAL_TOKENS)
-    try:
-        tokens = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise TrainError(f"{path}: not a JSON list of special tokens ({type(e).__name__})") from None
-    if not isinstance(tokens, list) or not all(isinstance(t, str) and t for t in tokens):
-        raise TrainError(f"{path}: must be a JSON list of non-empty strings")
-    return tokens
-
-
-def load_tokenizer(location):
-    from .tokenizer import Tokenizer
-
-    files = find_tokenizer_files(location)
-    if files[0].name == HF_TOKENIZER_FILE:
-        try:
-            return Tokenizer.from_hf(files[0])
-        except ValueError as e:
-            raise TrainError(str(e)) from None
-    vocab, merges = files
-    specials = read_special_tokens(location)
-    try:
-        return Tokenizer.from_files(vocab, merges, specials)
-    except (ValueError, KeyError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
-        raise TrainError(f"tokenizer {vocab} / {merges} is not a GPT-2 vocab.json + merges.txt pair: "
-                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-
-
-def prepare_data(cfg: TrainConfig, out: Path, vocab_size: int, say=print):
-    """Returns ``(tokens memmap, tokenizer or None, tokenizer directory or None)``."""
-    from .tokenizer import Tokenizer, encode_file, first_invalid_utf8, train_bpe
-
-    data_dir = out / "data"
-    data_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.data is None:
-        path = data_dir / "default_corpus.txt"
-        if not path.exists():
-            write_text_atomic(path, default_corpus_text())
-        say(f"data: no --data given, using the embedded default corpus (Python's pydoc_data.topics, "
-            f"{path.stat().st_size / 1e6:.2f} MB) -> {path}")
-    else:
-        path = Path(cfg.data)
-        if not path.is_file():
-            raise TrainError(f"data file not found: {path}")
-        if path.stat().st_size == 0:
-            raise TrainError(f"data file is empty: {path}")
-        if path.suffix not in (".npy", ".bin") and cfg.errors == "strict":
-            bad = first_invalid_utf8(path)
-            if bad is not None:
-                raise TrainError(f"{path}: not valid UTF-8 at byte {bad:,}; pass --errors replace to read such "
-                                 "bytes as U+FFFD")
-
-    if path.suffix in (".npy", ".bin"):
-        if path.suffix == ".npy":
-            tokens = np.load(path, mmap_mode="r")
-        else:
-            # raw .bin files carry no dtype: uint16 holds ids of vocabularies up to 65,536, larger ones need uint32
-            width = np.uint16 if vocab_size <= 1 << 16 else np.uint32
-            if path.stat().st_size % np.dtype(width).itemsize:
-                raise TrainError(f"{path}: {path.stat().st_size} bytes is not a whole number of "
-                                 f"{np.dtype(width).name} token ids (vocab {vocab_size})")
-            tokens = np.memmap(path, dtype=width, mode="r")
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise TrainError(f"{path} must be a flat integer token array")
-        tok_dir = tokenizer_dir(cfg.tokenizer) if cfg.tokenizer else None
-        tokenizer = load_tokenizer(tok_dir) if tok_dir else None
-        say(f"data: {len(tokens):,} pre-tokenised tokens from {path}")
-        return tokens, tokenizer, tok_dir
-
-    if cfg.tokenizer:
-        tok_dir = tokenizer_dir(cfg.tokenizer)
-        tokenizer = load_tokenizer(tok_dir)
-        say(f"tokenizer: loaded from {tok_dir} ({tokenizer.vocab_size} ids)")
-    else:
-        tok_dir = out / "tokenizer"
-        stamp = tok_dir / "source.json"
-        source = {"data": _fingerprint(path), "vocab_size": vocab_size}
-        if stamp.exists() and json.loads(stamp.read_text()) == source:
-            tokenizer = load_tokenizer(tok_dir)
-            say(f"tokenizer: reusing {tok_dir} (trained on this data, vocab {vocab_size})")
-        else:
-            if cfg.resume and tok_dir.exists():
-                raise TrainError(f"--resume: the tokenizer in {tok_dir} was trained on other data or another vocab "
-                                 "size; pass the first run's --data and sizes (it is never retrained in place)")
-            t0 = time.perf_counter()
-            vocab, merges = train_bpe(path, vocab_size, SPECIAL_TOKENS, progress=cfg.progress)
-            tokenizer = Tokenizer(vocab, merges, SPECIAL_TOKENS)
-            # written beside the old files and renamed over them: a crash never leaves half a tokenizer
-            tok_dir.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(prefix=".tokenizer.", dir=tok_dir))
-            try:
-                tokenizer.save(staging / "vocab.json", staging / "merges.txt")
-                (staging / SPECIAL_TOKENS_FILE).write_text(json.dumps(SPECIAL_TOKENS), encoding="utf-8")
-                for name in ("vocab.json", "merges.txt", SPECIAL_TOKENS_FILE):
-                    os.replace(staging / name, tok_dir / name)
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
-            write_text_atomic(stamp, json.dumps(source))
-            say(f"tokenizer: trained byte-level BPE, vocab {vocab_size}, in {time.perf_counter() - t0:.1f}s "
-                f"-> {tok_dir}")
-    # the cache is keyed by the text file and by the tokenizer's own files, so either changing re-encodes
-    tok_hash = hashlib.sha1(b"".join(p.read_bytes() for p in find_tokenizer_files(tok_dir))).hexdigest()[:8]
-    cache = data_dir / f"tokens-{_fingerprint(path)}-{tok_hash}.npy"
-    if not cache.exists():
-        info = encode_file(tokenizer, path, cache, progress=cfg.progress)
-        say(f"data: tokenised {info['bytes'] / 1e6:.2f} MB into {info['tokens']:,} tokens "
-            f"({info['bytes'] / max(1, info['tokens']):.2f} bytes/token, {info['bytes'] / 1e6 / info['seconds']:.1f} MB/s) -> {cache}")
-    tokens = np.load(cache, mmap_mode="r")
-    return tokens, tokenizer, tok_dir
-
-
-def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
-    """Entropy (nats) of the empirical token distribution: the loss of the best context-free model."""
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    for start in range(0, len(tokens), 1 << 22):  # 4M tokens at a time: no 8-byte copy of the whole file
-        counts += np.bincount(np.asarray(tokens[start:start + (1 << 22)]), minlength=vocab_size)[:vocab_size]
-    counts = counts.astype(np.float64)
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * np.log(p)).sum())
-
-
 # ----------------------------------------------------------------------------------------------------
 # training
 # ----------------------------------------------------------------------------------------------------
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except (RuntimeError, TypeError):
-        raise TrainError(f"--device {name!r}: not a device (auto, cpu, cuda, cuda:N)") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise TrainError(f"--device {name!r}: only cpu and cuda devices are supported")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise TrainError(f"--device {name} asked for CUDA, but no CUDA device is available")
-    return dev
-
-
-def runnable_backend(backend: str, device: torch.device) -> str:
-    """Resolve ``auto`` and refuse a Triton backend that cannot run on ``device`` (a clear error, no fallback)."""
-    from .modules.model import resolve_backend
-
-    try:
-        backend = resolve_backend(backend, device)
-    except ValueError as e:
-        raise TrainError(str(e)) from None
-    if backend == "triton" and device.type != "cuda":
-        from .kernels import INTERPRETING
-
-        if not INTERPRETING:
-            raise TrainError("--backend triton needs a CUDA device; on CPU it runs only under Triton's interpreter "
-                             "(set TRITON_INTERPRET=1 in the environment; slow) -- or use --backend reference/auto")
-    return backend
-
-
 def _param_groups(model: torch.nn.Module, weight_decay: float):
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -511,7 +275,7 @@ def _data_stage(run: _Run) -> None:
     if dist_info.world > 1 and run.main:
         torch.distributed.barrier()
     # what a checkpoint was trained on, so that --resume can refuse other data or another tokenizer
-    run.data_fp = _fingerprint(Path(cfg.data) if cfg.data else run.out / "data" / "default_corpus.txt")
+    run.data_fp = fingerprint(Path(cfg.data) if cfg.data else run.out / "data" / "default_corpus.txt")
     run.tok_fp = (hashlib.sha1(b"".join(p.read_bytes() for p in find_tokenizer_files(run.tok_dir))).hexdigest()[:12]
                   if run.tok_dir else None)
     mcfg = run.mcfg
@@ -552,7 +316,9 @@ def _model_stage(run: _Run) -> None:
         model.load_state_dict(state_from_hf(read_hf_state(cfg.init_from), mcfg))
         run.say(f"model: initialised from {cfg.init_from} (context {mcfg.context_length} for training)")
     what = f"{cfg.init_from} (HF)" if cfg.init_from else f"preset {cfg.preset}"
-    run.say(f"model: {what}, {accounting.param_count(mcfg) / 1e6:.2f}M parameters, "
+    moe = (f" ({accounting.param_count(mcfg, active=True) / 1e6:.2f}M active per token: {mcfg.num_experts} experts, "
+           f"{mcfg.experts_per_token} per token, aux loss x {mcfg.router_aux_loss_coef:g})" if mcfg.num_experts else "")
+    run.say(f"model: {what}, {accounting.param_count(mcfg) / 1e6:.2f}M parameters{moe}, "
             f"backend {model.backend} on {device}" + (f" ({dist_info.world} ranks)" if dist_info.world > 1 else ""))
     run.generator = torch.Generator().manual_seed(cfg.seed)
     payload = _resume(run) if cfg.resume else None
@@ -640,9 +406,9 @@ def _evaluate(run: _Run) -> float:
     for _ in range(run.cfg.eval_batches):
         x, y, extra = _micro_batch(run, run.val_tokens, gen)
         with run.autocast:
-            total += run.train_model(x, targets=y, **extra).float()
+            total += run.train_model(x, targets=y, aux_loss=False, **extra).float()
     run.model.train()
-    return float(_all_mean(total / run.cfg.eval_batches, run.dist))
+    return float(all_mean(total / run.cfg.eval_batches, run.dist))
 
 
 def _record(run: _Run, entry: dict) -> None:
@@ -745,11 +511,16 @@ def _training_loop(run: _Run) -> float:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dt = (time.perf_counter() - t_last) / steps_since
-            train_loss = float(_all_mean(loss_acc / steps_since, run.dist))
+            train_loss = float(all_mean(loss_acc / steps_since, run.dist))
             entry = {"step": done, "loss": train_loss, "lr": lr, "grad_norm": float(grad_norm),
                      "tokens_per_s": tokens_per_step / dt, "step_s": dt}
             if peak:
                 entry["mfu"] = step_flops / dt / peak
+            if run.mcfg.num_experts:  # the last micro-batch's routing: balance loss, least/most loaded expert
+                core = unwrap(model)
+                load = core.expert_load()
+                entry.update(aux_loss=float(core.router_aux_loss().detach()), expert_load_min=float(load.min()),
+                             expert_load_max=float(load.max()))
             if eval_now:
                 entry["val_loss"] = val_loss
                 entry["val_ppl"] = math.exp(val_loss)
@@ -757,6 +528,9 @@ def _training_loop(run: _Run) -> float:
             postfix = {"loss": f"{train_loss:.3f}", "tok/s": f"{entry['tokens_per_s']:,.0f}"}
             if val_loss is not None:
                 postfix["val"] = f"{val_loss:.3f}"
+            if "aux_loss" in entry:
+                postfix["aux"] = f"{entry['aux_loss']:.3f}"
+                postfix["load"] = f"{entry['expert_load_min']:.2f}-{entry['expert_load_max']:.2f}"
             if peak:
                 postfix["mfu"] = f"{100 * entry['mfu']:.1f}%"
             bar.set_postfix(postfix)
@@ -836,114 +610,6 @@ def plot_loss(history: list[dict], path: Path, entropy: float | None = None) -> 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 1.0,
-                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> str:
-    """Continue ``prompt``; stops at ``<|endoftext|>``. Returns the new text only."""
-    return tokenizer.decode(generate_ids(model, tokenizer, prompt, max_new_tokens, temperature, top_k, top_p, seed))
-
-
-def generate_ids(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> list[int]:
-    """The new token ids after ``prompt`` (up to, not including, ``<|endoftext|>``). The prompt is encoded as
-    transformers would (a tokenizer.json's post-processor adds its BOS), and only ids the tokenizer can decode
-    are sampled (see :func:`vocab_mismatch`)."""
-    ids = tokenizer.encode(prompt, add_special_tokens=True)
-    if not ids:
-        raise TrainError("the prompt encodes to no tokens")
-    if max(ids) >= model.vocab_size:
-        raise TrainError(f"the prompt encodes to id {max(ids)}, outside the model's vocabulary of {model.vocab_size}")
-    device = next(model.parameters()).device
-    gen = None
-    if seed is not None:
-        gen = torch.Generator(device=device).manual_seed(seed)
-    # a Hugging Face model names its end-of-sequence id(s); tritonlm's own runs end documents with <|endoftext|>
-    eos = (getattr(model, "hf_config", None) or {}).get("eos_token_id")
-    if eos is None:
-        eos = tokenizer._special_ids.get("<|endoftext|>")
-    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    allowed = torch.zeros(model.vocab_size, dtype=torch.bool)
-    allowed[[i for i in tokenizer.vocab if 0 <= i < model.vocab_size]] = True
-    out = model.generate(torch.tensor(ids, device=device), max_new_tokens, temperature=temperature, top_k=top_k,
-                         top_p=top_p, eos_id=eos, generator=gen, allowed=None if bool(allowed.all()) else allowed)
-    new = out[len(ids):].tolist()
-    stops = [i for i, t in enumerate(new) if t in eos_ids]
-    return new[:stops[0]] if stops else new
-
-
-def vocab_mismatch(model, tokenizer) -> str | None:
-    """One line naming how the model's vocabulary and the tokenizer's ids differ, or None when they match.
-    Generation never samples an id the tokenizer cannot decode (a vocabulary padded to a multiple of 64/128 is
-    common in Hugging Face checkpoints)."""
-    ids = set(tokenizer.vocab)
-    beyond = sum(1 for i in ids if i >= model.vocab_size)
-    holes = model.vocab_size - sum(1 for i in ids if i < model.vocab_size)
-    if not beyond and not holes:
-        return None
-    parts = []
-    if holes:
-        parts.append(f"{holes} of the model's {model.vocab_size} ids are not in the tokenizer and are never sampled")
-    if beyond:
-        parts.append(f"{beyond} tokenizer ids are beyond the model's vocabulary")
-    return "vocab: " + "; ".join(parts)
-
-
-def is_hf_model_dir(path) -> bool:
-    """A local Hugging Face model directory: config.json and safetensors weights, no tritonlm checkpoint."""
-    path = Path(path)
-    return (path.is_dir() and (path / "config.json").is_file() and not (path / CHECKPOINT_NAME).exists()
-            and any(path.glob("*.safetensors")))
-
-
-def _load_hf_for_generation(path: Path, device, backend):
-    from .hf.checkpoint import from_pretrained
-
-    tokenizer = load_tokenizer(path)  # before the weights: a missing tokenizer.json is found at once
-    dev = resolve_device(device)
-    backend = runnable_backend(backend, dev)
-    try:
-        # CPU matmuls are fastest in fp32; on GPUs keep the checkpoint's dtype
-        model = from_pretrained(path, backend=backend, device=dev, dtype=torch.float32 if dev.type == "cpu" else None)
-    except (ValueError, FileNotFoundError, ImportError) as e:
-        raise TrainError(f"{path}: {e}") from None
-    model.eval()
-    return model, tokenizer
-
-
-def load_for_generation(checkpoint_dir, device="auto", backend="auto"):
-    """``(model, tokenizer)`` from a training output directory (or a checkpoint file inside one), or from a local
-    Hugging Face Llama/Mistral directory (config.json, safetensors, tokenizer.json)."""
-    path = Path(checkpoint_dir)
-    if is_hf_model_dir(path):
-        return _load_hf_for_generation(path, device, backend)
-    ckpt = path / CHECKPOINT_NAME if path.is_dir() else path
-    if not ckpt.exists():
-        raise TrainError(f"no checkpoint at {ckpt}")
-    dev = resolve_device(device)
-    backend = runnable_backend(backend, dev)
-    try:
-        payload = read_checkpoint(ckpt, map_location=dev)
-    except Exception as e:  # unpickling errors, truncated zip files, wrong formats: one line, the file named
-        raise TrainError(f"{ckpt}: not a readable checkpoint ({type(e).__name__})") from None
-    if not isinstance(payload, dict) or "model_config" not in payload or "model" not in payload:
-        raise TrainError(f"{ckpt}: has no model_config; generate needs a checkpoint written by `tritonlm train` "
-                         "(save_checkpoint() alone stores weights without the model's sizes)")
-    mcfg = ModelConfig.from_dict(payload["model_config"])
-    model = TransformerLM.from_config(mcfg, device=dev, backend=backend)
-    model.load_state_dict(payload["model"])
-    model.eval()
-    tok_dir = payload.get("tokenizer")
-    local = ckpt.parent / "tokenizer"
-    if local.is_dir():
-        tok_dir = local
-    if not tok_dir or not Path(tok_dir).is_dir():
-        raise TrainError(f"the checkpoint names no tokenizer directory that exists ({tok_dir})")
-    if (Path(tok_dir) / "config.json").is_file():  # fine-tuned with --init-from: the HF directory's token ids
-        from .hf.checkpoint import read_hf_config
-
-        model.hf_config = read_hf_config(tok_dir)
-    return model, load_tokenizer(tok_dir)
 
 
 if __name__ == "__main__":  # pragma: no cover

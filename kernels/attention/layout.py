@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from .._common import as_4d, next_pow2
+from .._common import dot_precision as _dot_precision  # noqa: F401  (the launchers' name for it)
 
 
 def _block_d(d: int) -> int:
@@ -43,16 +44,6 @@ def _window(is_causal: bool, window: tuple[int, int], n_q: int, n_k: int) -> tup
     unbounded = 1 << 30
     left, right = (unbounded if w < 0 else int(w) for w in window)
     return left, (min(right, 0) if is_causal else right)
-
-
-def _dot_precision(dtype: torch.dtype) -> dict:
-    """The ``DOT_PRECISION`` constexpr every ``tl.dot`` takes as ``input_precision`` (the compile option
-    ``default_dot_input_precision`` does not reach ``tl.dot``: measured, fp32 dots compiled with it "ieee" were
-    still TF32 on sm_80/sm_90). For fp32 inputs PyTorch's fp32 matmul precision decides, as for its own matmuls
-    ("highest", the default: IEEE fp32; "high"/"medium": TF32 tensor cores); 16-bit dots ignore it."""
-    if dtype != torch.float32:
-        return {"DOT_PRECISION": "tf32"}
-    return {"DOT_PRECISION": "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"}
 
 
 def _has_window(is_causal: bool, window) -> bool:

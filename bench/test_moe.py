@@ -1,0 +1,40 @@
+"""Mixture-of-experts expert FFNs, forward + backward, one comparison per shape in one process: the eager
+per-expert loop (transformers' eager experts code), ``torch._grouped_mm`` where present (GPU), and
+``kernels.moe_experts``. ``extra_info`` carries the active TFLOP/s. Targets (GPU): >= 2x the eager loop and
+>= 1.1x ``_grouped_mm`` at Mixtral-8x7B's layer shape, bf16."""
+
+import pytest
+import torch
+
+from tritonlm.kernels import moe_experts
+
+from benchutil import DEVICE, MACHINE, ON_GPU, moe_baselines, run
+
+DTYPE = torch.bfloat16 if ON_GPU else torch.float32
+# (tokens, H, I, experts, top-k): Mixtral-8x7B's layer and a Qwen3-MoE-like one (GPU); a tiny one on CPU
+SHAPES = [(8192, 4096, 14336, 8, 2), (8192, 2048, 768, 128, 8)] if ON_GPU else [(48, 32, 40, 5, 2)]
+
+
+@pytest.mark.parametrize("impl", ["eager-loop", "torch._grouped_mm", "tritonlm"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-H{}-I{}-E{}-K{}".format(*s))
+def test_moe_experts_fwd_bwd(benchmark, shape, impl):
+    fn = {**moe_baselines(DEVICE), "tritonlm": moe_experts}.get(impl)
+    if fn is None:
+        pytest.skip(f"{impl}: not available here (needs a CUDA device and a torch with _grouped_mm)")
+    tokens, d_model, d_ff, experts, top_k = shape
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    hidden = torch.randn(tokens, d_model, device=DEVICE, dtype=DTYPE, generator=gen, requires_grad=True)
+    weights, index = torch.softmax(torch.randn(tokens, experts, device=DEVICE, generator=gen), -1).topk(top_k, -1)
+    weights = weights.to(DTYPE).requires_grad_()
+    gate_up = (torch.randn(experts, 2 * d_ff, d_model, device=DEVICE, dtype=DTYPE, generator=gen)
+               / d_model**0.5).requires_grad_()
+    down = (torch.randn(experts, d_model, d_ff, device=DEVICE, dtype=DTYPE, generator=gen) / d_ff**0.5).requires_grad_()
+    grad = torch.ones(tokens, d_model, device=DEVICE, dtype=DTYPE)
+
+    def step():
+        fn(hidden, index, weights, gate_up, down).backward(grad)
+
+    mean = run(benchmark, step)
+    benchmark.group = f"moe experts fwd+bwd T{tokens} H{d_model} I{d_ff} E{experts} K{top_k}"
+    benchmark.extra_info.update(device=MACHINE.get()["device"],
+                                active_TFLOPs=3 * 2 * tokens * top_k * 3 * d_model * d_ff / mean / 1e12)

@@ -1,0 +1,116 @@
+"""MoE's registration: what the SASS report, the sweep and the GPU suite need (``kernels/_registry.py``)."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _registry, tuned
+from .launch import (
+    BLOCK_M_GPU,
+    ROW_TILE_CONFIGS,
+    _row_tile_config,
+    _weight_grad_config,
+    moe_backward,
+    moe_experts,
+    moe_forward,
+)
+from .routing import Routing, max_tiles
+
+L = _registry.SassLaunch
+
+#: Mixtral-8x7B's layer: 8192 tokens, H 4096, I 14336, 8 experts, top-2
+MIXTRAL = dict(tokens=8192, d_model=4096, d_ff=14336, experts=8, top_k=2)
+
+
+def _meta_problem(dtype, tokens, d_model, d_ff, experts, top_k):
+    meta = torch.device("meta")
+    hidden = torch.empty(tokens, d_model, dtype=dtype, device=meta)
+    index = torch.empty(tokens, top_k, dtype=torch.int64, device=meta)
+    weights = torch.empty(tokens, top_k, dtype=dtype, device=meta)
+    gate_up = torch.empty(experts, 2 * d_ff, d_model, dtype=dtype, device=meta)
+    down = torch.empty(experts, d_model, d_ff, dtype=dtype, device=meta)
+    n_tiles = max_tiles(tokens * top_k, experts, BLOCK_M_GPU)
+    i32 = dict(dtype=torch.int32, device=meta)
+    routing = Routing(torch.empty(tokens * top_k, **i32), torch.empty(experts + 1, **i32),
+                      *(torch.empty(n_tiles, **i32) for _ in range(3)))
+    pre = torch.empty(tokens * top_k, 2 * d_ff, dtype=dtype, device=meta)
+    return hidden, index, weights, gate_up, down, routing, pre
+
+
+def _sass_cases(quick: bool) -> list[_registry.SassCase]:
+    """Mixtral-8x7B layer shapes, bf16 (and fp32 in the full report): the forward's two grouped GEMMs and the
+    backward's four (its routing weights' partials, d hidden, both weight gradients)."""
+    cases = []
+    for dtype in _registry.SASS_DTYPES[:1] if quick else _registry.SASS_DTYPES:
+        hidden, index, weights, gate_up, down, routing, pre = _meta_problem(dtype, **MIXTRAL)
+        case = f"T8192 H4096 I14336 E8 K2 {_registry.dtype_label(dtype)}"
+        pairs = MIXTRAL["tokens"] * MIXTRAL["top_k"]
+        up_flops = 2 * pairs * 2 * MIXTRAL["d_ff"] * MIXTRAL["d_model"]  # both halves
+        down_flops = up_flops // 2
+        cases.append(_registry.SassCase(
+            case, lambda h=hidden, i=index, w=weights, g=gate_up, d=down, r=routing: moe_forward(h, i, w, g, d, "silu", r),
+            (L("moe.up", 0, up_flops), L("moe.down", 1, down_flops))))
+        cases.append(_registry.SassCase(
+            case, lambda h=hidden, w=weights, g=gate_up, d=down, p=pre, r=routing: moe_backward(
+                h, h, w, g, d, p, r, "silu"),
+            (L("moe.down_bwd", 0, down_flops), L("moe.dx", 1, up_flops), L("moe.dgate_up", 2, up_flops),
+             L("moe.ddown", 3, down_flops))))
+    return cases
+
+
+def _sweep_cases(device: torch.device, smoke: bool) -> list[_registry.SweepCase]:
+    """A quarter of a Mixtral layer's tokens (2048 x H 4096, I 14336, E 8, top-2; smoke: 24 x 32, I 48, E 5, top-2),
+    forward for the forward kernels, forward + backward for the backward ones."""
+    dtype = torch.float32 if smoke else torch.bfloat16
+    tokens, d_model, d_ff, experts, top_k = (24, 32, 48, 5, 2) if smoke else (2048, 4096, 14336, 8, 2)
+    key = tuned.dtype_name(dtype)
+
+    def problem():
+        hidden = torch.randn(tokens, d_model, device=device, dtype=dtype, requires_grad=True)
+        index = torch.randint(0, experts, (tokens, top_k), device=device)
+        weights = torch.rand(tokens, top_k, device=device, dtype=dtype, requires_grad=True)
+        gate_up = (torch.randn(experts, 2 * d_ff, d_model, device=device, dtype=dtype) / d_model**0.5).requires_grad_()
+        down = (torch.randn(experts, d_model, d_ff, device=device, dtype=dtype) / d_ff**0.5).requires_grad_()
+        return hidden, index, weights, gate_up, down
+
+    def forward_step():
+        args = problem()
+        return lambda: moe_experts(*args)
+
+    def training_step():
+        args = problem()
+        grad = torch.randn(tokens, d_model, device=device, dtype=dtype)
+
+        def step():
+            out = moe_experts(*args)
+            return torch.autograd.grad(out, [args[i] for i in (0, 2, 3, 4)], grad)
+        return step
+
+    narrow = (dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3), dict(BLOCK_N=128, BLOCK_K=32, num_warps=4,
+                                                                              num_stages=4))
+    return [_registry.SweepCase("moe_up", key, forward_step, _ROW_CANDIDATES),
+            _registry.SweepCase("moe_down", key, forward_step, _ROW_CANDIDATES + narrow),
+            _registry.SweepCase("moe_down_bwd", key, training_step, _ROW_CANDIDATES),
+            _registry.SweepCase("moe_dx", key, training_step, _ROW_CANDIDATES + narrow),
+            _registry.SweepCase("moe_weight_grad", key, training_step, _WEIGHT_GRAD_CANDIDATES)]
+
+
+_ROW_CANDIDATES = (dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+                   dict(BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
+                   dict(BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=4))
+_WEIGHT_GRAD_CANDIDATES = (dict(BLOCK_M=64, BLOCK_N=128, BLOCK_R=32, num_warps=4, num_stages=3),
+                           dict(BLOCK_M=128, BLOCK_N=128, BLOCK_R=64, num_warps=8, num_stages=2),
+                           dict(BLOCK_M=128, BLOCK_N=64, BLOCK_R=32, num_warps=4, num_stages=4))
+_ROW_FIELDS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+
+
+def _shipped_row(kernel):
+    return lambda key, device, dtype: _row_tile_config(kernel, dtype, device)
+
+
+_registry.register(_registry.Op(
+    name="moe", entry_points=("moe_experts", "MoEExpertsFunction"), reference="tritonlm.modules.functional.moe_experts",
+    tunables=tuple(_registry.Tunable(f"moe_{k}", _ROW_FIELDS, _ROW_CANDIDATES, _shipped_row(k)) for k in ROW_TILE_CONFIGS)
+    + (_registry.Tunable("moe_weight_grad", ("BLOCK_M", "BLOCK_N", "BLOCK_R", "num_warps", "num_stages"),
+                         _WEIGHT_GRAD_CANDIDATES, lambda key, device, dtype: _weight_grad_config(dtype, device)),),
+    sass_cases=_sass_cases, sweep_cases=_sweep_cases, bench_section="moe"))
