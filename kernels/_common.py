@@ -130,11 +130,12 @@ def next_pow2(n: int) -> int:
 
 
 def install_interpreter_bf16_dot_shim() -> bool:
-    """Make the interpreter's ``tl.dot`` correct on bfloat16 operands.
+    """Make the interpreter's ``tl.dot`` correct on bfloat16 operands, and its fp32 -> bf16 casts round as GPUs do.
 
     The interpreter keeps bf16 values as raw uint16 bit patterns and its dot multiplies those patterns
     (triton-lang/triton#11584). The shim widens bf16 operands to fp32 before the matmul, which is what
-    the GPU's tensor cores compute (bf16 products accumulated in fp32). Only touches the interpreter.
+    the GPU's tensor cores compute (bf16 products accumulated in fp32). Its fp32 -> bf16 cast truncates; the shim
+    rounds to nearest even, as the GPU's conversion does. Only touches the interpreter.
     """
     try:
         from triton.runtime import interpreter as interp
@@ -161,6 +162,21 @@ def install_interpreter_bf16_dot_shim() -> bool:
 
     create_dot._tritonlm_bf16_shim = True
     builder.create_dot = create_dot
+
+    # fp32 -> bf16 casts (``x.to(tl.bfloat16)``): the interpreter truncates the mantissa (rounds toward zero); GPUs
+    # round to nearest even, which halves the rounding error of every bf16 result a kernel stores
+    original_cast = builder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32)
+            nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+            rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+            out = np.where(nan, (bits >> np.uint32(16)) | np.uint32(0x40), rounded).astype(np.uint16)
+            return interp.TensorHandle(out, dst_type.scalar)
+        return original_cast(self, src, dst_type)
+
+    builder.cast_impl = cast_impl
     return True
 
 

@@ -126,7 +126,8 @@ def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
         gate_up = einsum(x[token], gate_up_proj[e], "pairs d_model, d_ff2 d_model -> pairs d_ff2")
         h = acts[activation](gate_up[:, :d_ff]) * gate_up[:, d_ff:]
         y = einsum(h, down_proj[e], "pairs d_ff, d_model d_ff -> pairs d_model")
-        out = out.index_add(0, token, y * weights[token, slot, None].to(y.dtype))
+        # (the routing weight multiplies in the promoted dtype, as transformers' eager experts do; then x's dtype)
+        out = out.index_add(0, token, (y * weights[token, slot, None]).to(out.dtype))
     return out.reshape(hidden.shape)
 
 

@@ -78,3 +78,22 @@ def emulated_tf32_dots():
         yield
     finally:
         builder.create_dot = original
+
+
+def hf_round_trip(ours, path, architecture: str, seq: int = 20):
+    """``hf.save_pretrained(ours)`` then transformers' ``AutoModelForCausalLM`` loads it as ``architecture`` with
+    the same logits, and ``hf.from_pretrained`` gives back the same config and tensors. Returns transformers' model."""
+    import transformers
+
+    from tritonlm import hf
+
+    hf.save_pretrained(ours, path)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(path).to(DEVICE).eval()
+    assert type(theirs).__name__ == architecture
+    ids = torch.randint(0, ours.vocab_size, (2, seq), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    torch.testing.assert_close(theirs(ids).logits, ours(ids), atol=2e-5, rtol=1e-4)
+    back = hf.from_pretrained(path, backend="reference", device=DEVICE)
+    assert back.config == ours.config
+    for (name, a), b in zip(ours.state_dict().items(), back.state_dict().values()):
+        assert torch.equal(a, b), name
+    return theirs

@@ -168,7 +168,20 @@ def _opcheck_cases():
                                       torch.float32)],
         "linear_cross_entropy_bwd": [(torch.rand(6), x, head, torch.randint(0, 11, (6,)), -100, 0.0, 0.0, None,
                                       True, True, torch.float32)],
+        **_moe_cases(),
     }
+
+
+def _moe_cases():
+    from tritonlm.kernels.moe import moe_forward
+
+    hidden, weights = torch.randn(7, 16), torch.rand(7, 2)
+    index = torch.tensor([[0, 2], [1, 2], [2, 0], [0, 1], [2, 1], [1, 0], [0, 2]])
+    gate_up, down = torch.randn(3, 24, 16), torch.randn(3, 16, 12)
+    _, pre, routing = moe_forward(hidden, index, weights, gate_up, down, "silu")
+    return {"moe_experts_fwd": [(hidden, index, weights, gate_up, down, "silu")],
+            "moe_experts_bwd": [(torch.randn(7, 16), hidden, weights, gate_up, down, pre, list(routing.tensors()),
+                                 "gelu_tanh")]}
 
 
 def test_opcheck_every_custom_op():

@@ -12,7 +12,7 @@ import torch
 from tritonlm import ModelConfig, TransformerLM
 from tritonlm.hf import model_config_from_hf
 
-from helpers import DEVICE, ON_CUDA
+from helpers import DEVICE, ON_CUDA, hf_round_trip
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16}
@@ -81,8 +81,7 @@ def test_llama3_scaling_changes_long_positions(tmp_path):
 
 
 def test_save_pretrained_round_trip(tmp_path):
-    transformers = _transformers()
-    from tritonlm import hf
+    _transformers()
 
     cfg = ModelConfig(vocab_size=300, context_length=48, d_model=64, num_layers=2, num_heads=4, d_ff=96,
                       rope_theta=500.0, num_kv_heads=1, norm_eps=1e-6, tie_embeddings=True, rope_scaling=LLAMA3)
@@ -92,15 +91,7 @@ def test_save_pretrained_round_trip(tmp_path):
         for name, p in ours.named_parameters():
             if name.endswith(("ln1.weight", "ln2.weight", "ln_final.weight")):
                 p.uniform_(0.5, 1.5)
-    hf.save_pretrained(ours, tmp_path)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).to(DEVICE).eval()
-    assert type(theirs).__name__ == "LlamaForCausalLM"
-    ids = torch.randint(0, 300, (2, 30), generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    torch.testing.assert_close(theirs(ids).logits, ours(ids), atol=2e-5, rtol=1e-4)
-    back = hf.from_pretrained(tmp_path, backend="reference", device=DEVICE)
-    assert back.config == cfg
-    for (name, a), b in zip(ours.state_dict().items(), back.state_dict().values()):
-        assert torch.equal(a, b), name
+    hf_round_trip(ours, tmp_path, "LlamaForCausalLM", seq=30)
 
 
 def test_sharded_checkpoint_and_dtype(tmp_path):

@@ -144,3 +144,59 @@ def test_tokenizer_json_path_and_missing_tokenizer(hf_dir, tmp_path, capsys):
     finally:
         checkpoint.read_hf_state = real
     assert "tokenizer" in capsys.readouterr().err and not read
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(hf_dir, tmp_path_factory):
+    """A tiny random Mixtral beside the Llama fixture's tokenizer.json."""
+    import shutil
+
+    import transformers
+
+    llama_path, _, tok = hf_dir
+    path = tmp_path_factory.mktemp("hf-mixtral")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(llama_path / name, path / name)
+    torch.manual_seed(1)
+    cfg = transformers.MixtralConfig(hidden_size=32, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2,
+                                     num_hidden_layers=2, vocab_size=300, max_position_embeddings=256,
+                                     num_local_experts=4, num_experts_per_tok=2, bos_token_id=None,
+                                     eos_token_id=tok.token_to_id("<|end_of_text|>"))
+    model = transformers.MixtralForCausalLM(cfg).eval()
+    model.save_pretrained(path)
+    return path, model
+
+
+def test_mixtral_accounting_training_and_generation(mixtral_dir, tmp_path, capsys):
+    """``accounting --hf`` counts transformers' parameters and the active ones; ``train --init-from`` fine-tunes the
+    MoE checkpoint (weights kept by a vanishing learning rate, the log shows the router's loss and load) and its run
+    directory generates what transformers generates greedily."""
+    import json
+
+    import transformers
+
+    from tritonlm.generate import generate_ids, load_for_generation
+
+    path, model = mixtral_dir
+    assert main(["accounting", "--hf", str(path), "--seq-len", "64"]) == 0
+    printed = capsys.readouterr().out
+    n = int(re.search(r"parameters: ([\d,]+)", printed).group(1).replace(",", ""))
+    assert n == sum(p.numel() for p in model.parameters())
+    active = int(re.search(r"active parameters per token: ([\d,]+)", printed).group(1).replace(",", ""))
+    assert n - active == 2 * 2 * 3 * 32 * 40  # 2 layers x (4 - 2) experts x three 32 x 40 matrices
+    data = tmp_path / "text.txt"
+    data.write_text(TEXT, encoding="utf-8")
+    out = tmp_path / "run"
+    assert main(["train", "--init-from", str(path), "--data", str(data), "--context-length", "32", "--max-steps",
+                 "2", "--batch-size", "2", "--lr", "1e-9", "--eval-every", "0", "--eval-batches", "1", "--log-every",
+                 "1", "--sample-tokens", "0", "--out", str(out), "--device", "cpu", "--no-progress"]) == 0
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert all("aux_loss" in e and "expert_load_max" in e for e in log if "loss" in e)
+    ours, tokenizer = load_for_generation(out, "cpu", "reference")
+    assert ours.config.num_experts == 4
+    ids = transformers.AutoTokenizer.from_pretrained(path)("The cat", return_tensors="pt").input_ids
+    expected = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                              suppress_tokens=list(range(tokenizer.vocab_size, 300)))[0, ids.shape[1]:].tolist()
+    eos = model.config.eos_token_id
+    expected = expected[:expected.index(eos)] if eos in expected else expected
+    assert generate_ids(ours, tokenizer, "The cat", 6, temperature=0) == expected

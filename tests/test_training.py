@@ -228,7 +228,7 @@ def test_z_loss_and_label_smoothing_reach_the_training_loss(corpus, tmp_path, mo
                         lambda self, h, t, **kw: seen.append(kw) or original(self, h, t, **kw))
     first_loss("smooth", label_smoothing=0.5)
     assert dict(label_smoothing=0.5, z_loss=0.0) in seen  # training steps
-    assert {} in seen  # validation: the plain cross-entropy
+    assert {"aux_loss": False} in seen  # validation: the plain cross-entropy (no smoothing, z-loss or router term)
     with pytest.raises(TrainError, match="--z-loss"):
         train(_cfg(corpus, tmp_path / "bad", z_loss=-1.0), say=lambda *a: None)
     with pytest.raises(TrainError, match="--label-smoothing"):

@@ -1,4 +1,4 @@
-"""Hugging Face Llama/Mistral checkpoints <-> :class:`~tritonlm.modules.TransformerLM`.
+"""Hugging Face Llama/Mistral/Mixtral checkpoints <-> :class:`~tritonlm.modules.TransformerLM`.
 
 Two differences between the layouts, everything else is a rename:
 
@@ -6,6 +6,9 @@ Two differences between the layouts, everything else is a rename:
   Permuting the rows of each head of ``q_proj`` and ``k_proj`` by ``[0, d/2, 1, d/2+1, ...]`` turns one into
   the other: ``q·k`` is unchanged because q and k are permuted alike, and ``v`` is untouched.
 * Tied embeddings. HF omits ``lm_head.weight`` from the file when ``tie_word_embeddings`` is set.
+* Mixtral's experts. Files hold them per expert (``block_sparse_moe.experts.{j}.w1/w2/w3``, what the Hub has and
+  transformers 4.x writes) or stacked (transformers 5's ``mlp.experts.gate_up_proj`` / ``down_proj``); both load
+  into the stacked layout the model keeps, and checkpoints are written per expert, which both versions read.
 
 The config mapping (:func:`model_config_from_hf`) reads plain JSON, so ``tritonlm accounting --hf`` works without
 ``transformers``; reading and writing weights needs ``safetensors`` (``pip install tritonlm[hf]``).
@@ -23,8 +26,8 @@ from ..config import ModelConfig
 
 logger = logging.getLogger("tritonlm")
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
-MODEL_TYPES = ("llama", "mistral")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
+MODEL_TYPES = ("llama", "mistral", "mixtral")
 
 #: ours (inside ``layers.{i}.``) -> HF (inside ``model.layers.{i}.``)
 LAYER_KEYS = {
@@ -127,7 +130,20 @@ def model_config_from_hf(cfg: dict, context_length: int | None = None) -> ModelC
         vocab_size=cfg["vocab_size"], context_length=int(context_length), d_model=d_model,
         num_layers=cfg["num_hidden_layers"], num_heads=heads, d_ff=cfg["intermediate_size"], rope_theta=theta,
         num_kv_heads=None if kv_heads == heads else kv_heads, norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), rope_scaling=scaling)
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), rope_scaling=scaling, **_moe_fields(cfg))
+
+
+def _moe_fields(cfg: dict) -> dict:
+    """The mixture-of-experts fields of a Mixtral config (every layer routes to ``num_experts_per_tok`` of
+    ``num_local_experts`` experts, probabilities renormalised); nothing for dense model types."""
+    if cfg.get("model_type") != "mixtral":
+        return {}
+    if cfg.get("router_jitter_noise"):
+        raise ValueError(f"router_jitter_noise={cfg['router_jitter_noise']} is not supported (training-time noise "
+                         "on the router input)")
+    return dict(num_experts=int(cfg.get("num_local_experts", cfg.get("num_experts", 8))),
+                experts_per_token=int(cfg.get("num_experts_per_tok", 2)), moe_d_ff=int(cfg["intermediate_size"]),
+                norm_topk_prob=True, router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.001)))
 
 
 def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype, extra: dict | None = None) -> dict:
@@ -137,9 +153,20 @@ def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype, extra: dict | Non
                          f"this model has norm={cfg.norm!r}, ffn={cfg.ffn!r}, position={cfg.position!r}, "
                          f"norm_position={cfg.norm_position!r}")
     out = {k: v for k, v in (extra or {}).items() if k in PASSTHROUGH_FIELDS}
+    if cfg.num_experts:
+        if cfg.moe_layers is not None or cfg.shared_expert_d_ff or not cfg.norm_topk_prob:
+            raise ValueError("only Mixtral's MoE layout (every layer MoE, no shared expert, renormalised top-k) has "
+                             f"an HF equivalent here; this model has moe_layers={cfg.moe_layers!r}, "
+                             f"shared_expert_d_ff={cfg.shared_expert_d_ff!r}, norm_topk_prob={cfg.norm_topk_prob!r}")
+        out.update({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                    "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.experts_per_token,
+                    "router_aux_loss_coef": cfg.router_aux_loss_coef, "router_jitter_noise": 0.0,
+                    "output_router_logits": False, "sliding_window": None})
     out.update({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-        "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_attention_heads": cfg.num_heads,
+        "architectures": out.get("architectures", ["LlamaForCausalLM"]), "model_type": out.get("model_type", "llama"),
+        "hidden_act": "silu",
+        "hidden_size": cfg.d_model, "intermediate_size": cfg.expert_d_ff if cfg.num_experts else cfg.d_ff,
+        "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.kv_heads, "num_hidden_layers": cfg.num_layers, "head_dim": cfg.d_head,
         "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.context_length, "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling, "tie_word_embeddings": cfg.tie_embeddings,
@@ -198,7 +225,11 @@ def state_from_hf(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
     state, used = {}, set()
     names = dict(TOP_KEYS)
     for i in range(cfg.num_layers):
-        names.update({f"layers.{i}.{ours}": f"model.layers.{i}.{theirs}" for ours, theirs in LAYER_KEYS.items()})
+        moe = cfg.is_moe_layer(i)
+        names.update({f"layers.{i}.{ours}": f"model.layers.{i}.{theirs}" for ours, theirs in LAYER_KEYS.items()
+                      if not (moe and ours.startswith("ffn."))})
+        if moe:
+            state.update(_experts_from_hf(hf_state, f"model.layers.{i}", cfg, used, f"layers.{i}.ffn"))
     if cfg.tie_embeddings and "lm_head.weight" not in hf_state:
         names["lm_head.weight"] = "model.embed_tokens.weight"
     for ours, theirs in names.items():
@@ -219,6 +250,33 @@ def state_from_hf(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
     return state
 
 
+def _experts_from_hf(hf_state: dict, layer: str, cfg: ModelConfig, used: set, ours: str) -> dict:
+    """One MoE layer's router and experts, from per-expert tensors (``block_sparse_moe.experts.{j}.w1/w3/w2`` or
+    ``mlp.experts.{j}.gate_proj/up_proj/down_proj``) or stacked ones (``mlp.experts.gate_up_proj`` /
+    ``down_proj``), into the stacked ``[E, 2I, H]`` / ``[E, H, I]`` layout."""
+    block = next((f"{layer}.{name}" for name in ("block_sparse_moe", "mlp") if f"{layer}.{name}.gate.weight" in hf_state),
+                 None)
+    if block is None:
+        raise ValueError(f"checkpoint lacks {layer}.block_sparse_moe.gate.weight (or {layer}.mlp.gate.weight)")
+
+    def take(key):
+        if key not in hf_state:
+            raise ValueError(f"checkpoint lacks {key}")
+        used.add(key)
+        return hf_state[key]
+
+    out = {f"{ours}.router.weight": take(f"{block}.gate.weight")}
+    if f"{block}.experts.gate_up_proj" in hf_state:
+        out[f"{ours}.experts.gate_up_proj"] = take(f"{block}.experts.gate_up_proj")
+        out[f"{ours}.experts.down_proj"] = take(f"{block}.experts.down_proj")
+        return out
+    names = ("w1", "w3", "w2") if f"{block}.experts.0.w1.weight" in hf_state else ("gate_proj", "up_proj", "down_proj")
+    experts = [[take(f"{block}.experts.{j}.{n}.weight") for n in names] for j in range(cfg.num_experts)]
+    out[f"{ours}.experts.gate_up_proj"] = torch.stack([torch.cat([gate, up]) for gate, up, _ in experts])
+    out[f"{ours}.experts.down_proj"] = torch.stack([down for _, _, down in experts])
+    return out
+
+
 def state_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """This library's ``state_dict`` -> HF tensors (the inverse of :func:`state_from_hf`; tied heads omitted)."""
     inverse = torch.argsort(half_to_interleaved(cfg.d_head))
@@ -228,7 +286,17 @@ def state_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
             continue
         out[theirs] = state[ours]
     for i in range(cfg.num_layers):
+        if cfg.is_moe_layer(i):  # Mixtral's per-expert names (transformers 4.x and the Hub; 5.x converts them)
+            block, d_ff = f"model.layers.{i}.block_sparse_moe", cfg.expert_d_ff
+            out[f"{block}.gate.weight"] = state[f"layers.{i}.ffn.router.weight"]
+            gate_up, down = state[f"layers.{i}.ffn.experts.gate_up_proj"], state[f"layers.{i}.ffn.experts.down_proj"]
+            for j in range(cfg.num_experts):
+                out[f"{block}.experts.{j}.w1.weight"] = gate_up[j, :d_ff]
+                out[f"{block}.experts.{j}.w3.weight"] = gate_up[j, d_ff:]
+                out[f"{block}.experts.{j}.w2.weight"] = down[j]
         for ours, theirs in LAYER_KEYS.items():
+            if cfg.is_moe_layer(i) and ours.startswith("ffn."):
+                continue
             tensor = state[f"layers.{i}.{ours}"]
             if ours == "attn.q_proj.weight":
                 tensor = _permute_heads(tensor, cfg.num_heads, inverse)

@@ -1,4 +1,5 @@
-"""``apply_kernels``: run a Hugging Face Llama/Mistral model instance through tritonlm's kernels, in place.
+"""``apply_kernels``: run a Hugging Face Llama/Mistral/Mixtral/Qwen3-MoE model instance through tritonlm's kernels,
+in place.
 
 What each switch replaces (every patch is an instance-level ``forward``, so parameters, ``state_dict``, the class
 and ``save_pretrained`` are untouched, and :func:`remove_kernels` undoes it):
@@ -8,12 +9,16 @@ and ``save_pretrained`` are untouched, and :func:`remove_kernels` undoes it):
 * ``rope``: each attention layer's ``apply_rotary_pos_emb`` -> the RoPE kernel in half-split layout on the
   cos/sin HF computed (its rotary module, scaling included, stays in charge of the angles).
 * ``swiglu``: each ``*MLP`` -> ``down_proj(swiglu_gate(gate_proj(x), up_proj(x)))``.
+* ``moe``: each stacked ``*Experts`` module (transformers 5's ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``)
+  -> :func:`tritonlm.kernels.moe_experts` (grouped GEMMs, dropless); the router stays transformers' own, and a
+  ``"tritonlm"`` experts implementation is registered in ``ExpertsInterface`` for models that select it by name.
 * ``attention``: the model's attention implementation -> ``"tritonlm"``, registered in transformers'
   ``AttentionInterface``: flash attention with GQA (K/V never repeated), sliding windows, and padding masks as
   packed variable-length sequences.
 * ``loss``: ``forward(..., labels=...)`` -> the fused linear cross-entropy on the final hidden states; the
   ``[batch, seq, vocab]`` logits are never formed in training (``logits`` is then ``None``; in eval mode they
-  are computed as well).
+  are computed as well). MoE models keep ``output_router_logits`` and the load-balancing term as transformers
+  computes them.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from types import MethodType
 import torch
 import torch.nn.functional as F
 
-MODEL_TYPES = ("llama", "mistral")
+MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen3_moe")
+#: transformers' activation names -> the MoE kernel's
+_MOE_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 ATTENTION_NAME = "tritonlm"
 
 _state = threading.local()  # depth of patched attention forwards on this thread (routes apply_rotary_pos_emb)
@@ -47,6 +54,26 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     # the projections' outputs feed only the gate: its backward may overwrite them
     return self.down_proj(_kernels().swiglu_gate(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
+
+
+def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers 5's stacked experts (``gate_up_proj [E, 2I, H]``, gate rows first; ``down_proj [E, H, I]``) as
+    the fused grouped GEMMs; the routing weights keep the router's dtype."""
+    activation = _MOE_ACTIVATIONS[self.config.hidden_act]
+    return _kernels().moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                                  activation=activation)
+
+
+def _stacked_experts(module) -> bool:
+    """An experts module in the layout :func:`_experts_forward` reads (what ``@use_experts_implementation`` marks
+    as concatenated gate/up, untransposed, without biases)."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (hasattr(module, "config") and isinstance(gate_up, torch.nn.Parameter)
+            and isinstance(down, torch.nn.Parameter) and gate_up.dim() == 3
+            and down.dim() == 3 and getattr(module, "is_concatenated", True) and not getattr(module, "is_transposed",
+                                                                                              False)
+            and not getattr(module, "has_bias", False) and getattr(module, "has_gate", True))
 
 
 def _rope_half_split(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -260,6 +287,10 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, *args, labels=
         raise TypeError("with apply_kernels(loss=True), pass arguments after attention_mask by keyword")
     num_items = kwargs.pop("num_items_in_batch", None)
     return_dict = kwargs.pop("return_dict", None)
+    moe = hasattr(self.config, "router_aux_loss_coef")
+    if moe:  # as the MoE causal-LM forwards do: the flag, else the config's
+        router = kwargs.pop("output_router_logits", None)
+        kwargs["output_router_logits"] = self.config.output_router_logits if router is None else router
     outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
     hidden = outputs[0]
     if shift_labels is None:
@@ -273,13 +304,23 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, *args, labels=
     if not self.training:
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden[:, keep, :])
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
-    fields = CausalLMOutputWithPast.__dataclass_fields__
+    output_class = MoeCausalLMOutputWithPast if moe else CausalLMOutputWithPast
+    fields = output_class.__dataclass_fields__
     cache_field = "cache" if "cache" in fields else "past_key_values"
-    result = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=getattr(outputs, "hidden_states", None),
-                                    attentions=getattr(outputs, "attentions", None),
-                                    **{cache_field: getattr(outputs, cache_field, None)})
+    extra = {}
+    if moe and kwargs["output_router_logits"]:
+        # the modeling module's own load-balancing loss, on the router logits of this forward
+        import importlib
+
+        balance = importlib.import_module(type(self).__module__).load_balancing_loss_func
+        aux = balance(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)
+        loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
+        extra = dict(aux_loss=aux, router_logits=outputs.router_logits)
+    result = output_class(loss=loss, logits=logits, hidden_states=getattr(outputs, "hidden_states", None),
+                          attentions=getattr(outputs, "attentions", None),
+                          **{cache_field: getattr(outputs, cache_field, None)}, **extra)
     return result.to_tuple() if return_dict is False else result
 
 
@@ -329,10 +370,18 @@ def _patch(module, forward, tag: str) -> None:
     module._tritonlm_patch = tag
 
 
+def _register_experts() -> None:
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError:  # transformers 4.x: per-expert modules, no interface (and nothing this patch reads)
+        return
+    ExpertsInterface.register(ATTENTION_NAME, _experts_forward)
+
+
 def apply_kernels(model, rms_norm: bool = True, rope: bool = True, swiglu: bool = True, attention: bool = True,
-                  loss: bool = True):
-    """Patch a Hugging Face Llama/Mistral model instance (``*ForCausalLM`` or the bare ``*Model``) in place with
-    tritonlm's kernels and return it. See the module docstring for what each switch replaces;
+                  loss: bool = True, moe: bool = True):
+    """Patch a Hugging Face Llama/Mistral/Mixtral/Qwen3-MoE model instance (``*ForCausalLM`` or the bare
+    ``*Model``) in place with tritonlm's kernels and return it. See the module docstring for what each switch replaces;
     :func:`remove_kernels` restores the model. The kernels need CUDA tensors (or ``TRITON_INTERPRET=1``).
 
     Atomic: every check runs before anything is patched, so an error leaves the model as it was. Idempotent:
@@ -354,12 +403,22 @@ def apply_kernels(model, rms_norm: bool = True, rope: bool = True, swiglu: bool 
             plan.append((module, _rms_norm_forward, "rms_norm"))
         elif swiglu and name.endswith("MLP") and all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj")):
             plan.append((module, _mlp_forward, "swiglu"))
+        elif moe and name.endswith("Experts") and hasattr(module, "down_proj"):
+            if not _stacked_experts(module):
+                raise NotImplementedError(f"moe=True: {name} does not hold its experts stacked (gate_up_proj [E, 2I, "
+                                          "H], down_proj [E, H, I]: transformers >= 5); pass moe=False")
+            if getattr(module.config, "hidden_act", None) not in _MOE_ACTIVATIONS:
+                raise ValueError(f"moe=True: hidden_act {module.config.hidden_act!r} is not one of "
+                                 f"{sorted(_MOE_ACTIVATIONS)}")
+            plan.append((module, _experts_forward, "moe"))
         elif rope and name.endswith("Attention") and hasattr(module, "q_proj"):
             modeling_name, modeling = _rotary_module(module)
             rotary[modeling_name] = modeling
             plan.append((module, _attention_forward, "rope"))
     if attention:
         _register_attention()
+    if moe:
+        _register_experts()
     # stage 2: patch
     for modeling_name, modeling in rotary.items():
         _install_rotary_dispatch(modeling_name, modeling)
