@@ -62,6 +62,7 @@ def liger_impls() -> dict:
     if not torch.cuda.is_available():
         return {}
     try:
+        from liger_kernel.ops.geglu import LigerGELUMulFunction
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
         from liger_kernel.ops.rope import LigerRopeFunction
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
@@ -73,7 +74,7 @@ def liger_impls() -> dict:
         return lambda q, k: torch.cat(LigerRopeFunction.apply(q, k, cos_hf, sin_hf))
 
     return {"rmsnorm": lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-5), "swiglu": LigerSiLUMulFunction.apply,
-            "rope": rope}
+            "geglu": LigerGELUMulFunction.apply, "rope": rope}
 
 
 def liger_version() -> str:
@@ -116,7 +117,8 @@ def moe_baselines(device) -> dict:
     """Expert-FFN implementations ``fn(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj) -> out`` to time
     beside ``kernels.moe_experts``: the eager per-expert loop (transformers' eager experts code does the same: a
     gather, two matmuls and an ``index_add`` per expert) everywhere; ``torch._grouped_mm`` (tokens sorted by expert,
-    two grouped GEMMs) where this torch has it on a CUDA device."""
+    two grouped GEMMs) where this torch has it on a CUDA device; Liger-Kernel's fused MoE where the installed
+    release has it (CUDA)."""
     from tritonlm.modules import functional as F
 
     out = {"eager-loop": F.moe_experts}
@@ -136,4 +138,11 @@ def moe_baselines(device) -> dict:
             return torch.zeros_like(hidden).index_add(0, tokens, y)
 
         out["torch._grouped_mm"] = grouped
+    if torch.device(device).type == "cuda":
+        try:  # Liger-Kernel's fused MoE (newer releases): (x, gate_up_proj, down_proj, int32 index, weights)
+            from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+
+            out["liger-kernel"] = lambda h, i, w, gu, d: LigerFusedMoEFunction.apply(h, gu, d, i.to(torch.int32), w)
+        except ImportError:
+            pass
     return out

@@ -1,6 +1,6 @@
 """Mixture-of-experts expert FFNs, forward + backward, one comparison per shape in one process: the eager
 per-expert loop (transformers' eager experts code), ``torch._grouped_mm`` where present (GPU), and
-``kernels.moe_experts``. ``extra_info`` carries the active TFLOP/s. Targets (GPU): >= 2x the eager loop and
+Liger-Kernel's fused MoE where installed (GPU), and ``kernels.moe_experts``. ``extra_info`` carries the active TFLOP/s. Targets (GPU): >= 2x the eager loop and
 >= 1.1x ``_grouped_mm`` at Mixtral-8x7B's layer shape, bf16."""
 
 import pytest
@@ -15,12 +15,12 @@ DTYPE = torch.bfloat16 if ON_GPU else torch.float32
 SHAPES = [(8192, 4096, 14336, 8, 2), (8192, 2048, 768, 128, 8)] if ON_GPU else [(48, 32, 40, 5, 2)]
 
 
-@pytest.mark.parametrize("impl", ["eager-loop", "torch._grouped_mm", "tritonlm"])
+@pytest.mark.parametrize("impl", ["eager-loop", "torch._grouped_mm", "liger-kernel", "tritonlm"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-H{}-I{}-E{}-K{}".format(*s))
 def test_moe_experts_fwd_bwd(benchmark, shape, impl):
     fn = {**moe_baselines(DEVICE), "tritonlm": moe_experts}.get(impl)
     if fn is None:
-        pytest.skip(f"{impl}: not available here (needs a CUDA device and a torch with _grouped_mm)")
+        pytest.skip(f"{impl}: not available here (CUDA only: a torch with _grouped_mm, Liger-Kernel with fused MoE)")
     tokens, d_model, d_ff, experts, top_k = shape
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     hidden = torch.randn(tokens, d_model, device=DEVICE, dtype=DTYPE, generator=gen, requires_grad=True)

@@ -80,7 +80,7 @@ def verdicts(report) -> list[dict]:
     moe = [r for r in _rows(report, "moe") if "error" not in r]
     for shape in sorted({r["shape"] for r in moe}):
         by = {r["impl"]: r for r in moe if r["shape"] == shape}
-        for rival, floor in (("eager-loop", 2.0), ("torch._grouped_mm", 1.1)):
+        for rival, floor in (("eager-loop", 2.0), ("torch._grouped_mm", 1.1), ("liger-kernel", 1.0)):
             if "tritonlm" in by and rival in by:
                 s = by[rival]["fwd_bwd_ms"] / by["tritonlm"]["fwd_bwd_ms"]
                 add(f"MoE experts fwd+bwd {shape}: >= {floor}x {rival}", s >= floor, f"{s:.2f}x")

@@ -19,7 +19,7 @@ if INTERPRETING:
 # import order = registration order = the order of the SASS report and the op suite
 # isort: off
 from .rmsnorm import AddRMSNormFunction, RMSNormFunction, add_rms_norm, rms_norm  # noqa: E402
-from .swiglu import SwiGLUGateFunction, swiglu_gate  # noqa: E402
+from .swiglu import SwiGLUGateFunction, geglu_gate, swiglu_gate  # noqa: E402
 from .rope import RoPEFunction, apply_rope, rope_tables  # noqa: E402
 from .cross_entropy_loss import CrossEntropyFunction, cross_entropy  # noqa: E402
 from .linear_cross_entropy_loss import LinearCrossEntropyFunction, linear_cross_entropy  # noqa: E402
@@ -35,7 +35,7 @@ from .moe import MoEExpertsFunction, moe_experts  # noqa: E402
 
 __all__ = [
     "FlashAttention", "FlashAttentionTorch", "flash_attention", "flash_attn_func", "flash_attn_varlen_func", "rms_norm", "apply_rope", "rope_tables",
-    "swiglu_gate", "add_rms_norm", "AddRMSNormFunction", "cross_entropy", "linear_cross_entropy", "RMSNormFunction", "RoPEFunction",
+    "swiglu_gate", "geglu_gate", "add_rms_norm", "AddRMSNormFunction", "cross_entropy", "linear_cross_entropy", "RMSNormFunction", "RoPEFunction",
     "SwiGLUGateFunction", "CrossEntropyFunction", "LinearCrossEntropyFunction", "moe_experts", "MoEExpertsFunction",
     "INTERPRETING",
 ]

@@ -77,7 +77,7 @@ def _normalised(x, rstd, Y, CAST_XHAT: tl.constexpr):
 @triton.jit
 def _rms_norm_fwd_kernel(
     X, RES, H, W, Y, RSTD,
-    stride_x_row, stride_res_row, stride_y_row, n_rows, n_cols, eps,
+    stride_x_row, stride_res_row, stride_y_row, n_rows, n_cols, eps, w_offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_IN_REGISTERS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     CAST_XHAT: tl.constexpr,
 ):
@@ -94,7 +94,7 @@ def _rms_norm_fwd_kernel(
         # ---- load: the whole row stays in registers (h = x + residual is formed and stored here)
         mask = row_mask[:, None] & (cols[None, :] < n_cols)
         x = _load_input(X, RES, H, x_rows, res_rows, h_rows, cols[None, :], mask, True, HAS_RESIDUAL)
-        w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + w_offset
         # ---- compute
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
         y = _normalised(x, rstd, Y, CAST_XHAT) * w[None, :]
@@ -113,7 +113,7 @@ def _rms_norm_fwd_kernel(
             col_mask = start + cols < n_cols
             mask = row_mask[:, None] & col_mask[None, :]
             x = _load_input(X, RES, H, x_rows, res_rows, h_rows, start + cols[None, :], mask, False, HAS_RESIDUAL)
-            w = tl.load(W + start + cols, mask=col_mask, other=0.0).to(tl.float32)
+            w = tl.load(W + start + cols, mask=col_mask, other=0.0).to(tl.float32) + w_offset
             y = _normalised(x, rstd, Y, CAST_XHAT) * w[None, :]
             tl.store(y_rows + start + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
@@ -121,20 +121,20 @@ def _rms_norm_fwd_kernel(
 
 
 @triton.jit
-def _load_bwd_chunk(X, DY, W, rows64, row_mask, start, cols, n_cols, stride_x_row, stride_dy_row):
+def _load_bwd_chunk(X, DY, W, rows64, row_mask, start, cols, n_cols, stride_x_row, stride_dy_row, w_offset):
     """x, dy (fp32, ``[BLOCK_M, BLOCK_N]``) and w (``[BLOCK_N]``) for the columns ``start + cols``, with masks."""
     col_mask = start + cols < n_cols
     mask = row_mask[:, None] & col_mask[None, :]
     x = tl.load(X + rows64 * stride_x_row + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(DY + rows64 * stride_dy_row + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(W + start + cols, mask=col_mask, other=0.0).to(tl.float32)
+    w = tl.load(W + start + cols, mask=col_mask, other=0.0).to(tl.float32) + w_offset
     return x, dy, w, mask, col_mask
 
 
 @triton.jit
 def _rms_norm_bwd_kernel(
     DY, X, W, RSTD, DX, DW_PARTIAL, DH,
-    stride_dy_row, stride_x_row, stride_dx_row, stride_dh_row, n_rows, n_cols, blocks_per_program,
+    stride_dy_row, stride_x_row, stride_dx_row, stride_dh_row, n_rows, n_cols, blocks_per_program, w_offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_IN_REGISTERS: tl.constexpr, HAS_DH: tl.constexpr,
     CAST_XHAT: tl.constexpr,
 ):
@@ -147,7 +147,7 @@ def _rms_norm_bwd_kernel(
 
     if ROW_IN_REGISTERS:
         col_mask = cols < n_cols
-        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + w_offset
         dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for i in range(0, blocks_per_program):
             rows = (pid + i * n_programs) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -181,13 +181,13 @@ def _rms_norm_bwd_kernel(
             gx_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_N):
                 x, dy, w, mask, col_mask = _load_bwd_chunk(X, DY, W, rows64, row_mask, start, cols, n_cols,
-                                                           stride_x_row, stride_dy_row)
+                                                           stride_x_row, stride_dy_row, w_offset)
                 gx_acc += dy * w[None, :] * x
             mean_gx = tl.sum(gx_acc, axis=1) * rstd / n_cols
             # ---- pass 2: dx, and dweight into this program's partial row
             for start in range(0, n_cols, BLOCK_N):
                 x, dy, w, mask, col_mask = _load_bwd_chunk(X, DY, W, rows64, row_mask, start, cols, n_cols,
-                                                           stride_x_row, stride_dy_row)
+                                                           stride_x_row, stride_dy_row, w_offset)
                 xhat = x * rstd[:, None]
                 dx = (dy * w[None, :] - xhat * mean_gx[:, None]) * rstd[:, None]
                 if HAS_DH:
@@ -262,7 +262,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def _launch_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                    cast_xhat: bool = False):
+                    cast_xhat: bool = False, weight_offset: float = 0.0):
     """``(y, h, rstd)``; ``h = x + residual`` (contiguous, x's dtype) only when a residual is given."""
     x_rows = as_rows(x)
     n_rows, n_cols = x_rows.shape
@@ -275,23 +275,26 @@ def _launch_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torc
         grid = (triton.cdiv(n_rows, cfg["BLOCK_M"]),)
         _rms_norm_fwd_kernel[grid](x_rows, res_rows, h if h is not None else y, weight, y, rstd,
                                    x_rows.stride(0), res_rows.stride(0), n_cols, n_rows, n_cols, float(eps),
+                                   float(weight_offset),
                                    HAS_RESIDUAL=residual is not None, CAST_XHAT=cast_xhat, **cfg)
     return y, h, rstd
 
 
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_xhat: bool = False):
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_xhat: bool = False,
+                     weight_offset: float = 0.0):
     """Returns ``(y, rstd)``: y like x, rstd fp32 ``[rows]``."""
-    y, _, rstd = _launch_forward(x, None, weight, eps, cast_xhat)
+    y, _, rstd = _launch_forward(x, None, weight, eps, cast_xhat, weight_offset)
     return y, rstd
 
 
-def add_rms_norm_forward(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+def add_rms_norm_forward(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                         weight_offset: float = 0.0):
     """Returns ``(y, h, rstd)`` with ``h = x + residual`` and ``y = rmsnorm(h)``, both like x."""
-    return _launch_forward(x, residual, weight, eps)
+    return _launch_forward(x, residual, weight, eps, weight_offset=weight_offset)
 
 
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                      dh: torch.Tensor | None = None, cast_xhat: bool = False):
+                      dh: torch.Tensor | None = None, cast_xhat: bool = False, weight_offset: float = 0.0):
     """Returns ``(dx, dweight)``. With ``dh`` (add_rms_norm: x is the saved h), ``dx = dL/dh`` includes it."""
     x_rows, dy_rows = as_rows(x), as_rows(dy)
     dh_rows = as_rows(dh) if dh is not None else dy_rows
@@ -307,7 +310,8 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     if n_rows:
         _rms_norm_bwd_kernel[(n_programs,)](
             dy_rows, x_rows, weight, rstd, dx, dw_partial, dh_rows, dy_rows.stride(0), x_rows.stride(0), n_cols,
-            dh_rows.stride(0), n_rows, n_cols, triton.cdiv(n_blocks, n_programs), HAS_DH=dh is not None,
+            dh_rows.stride(0), n_rows, n_cols, triton.cdiv(n_blocks, n_programs), float(weight_offset),
+            HAS_DH=dh is not None,
             CAST_XHAT=cast_xhat, **cfg)
     dweight = torch.empty(n_cols, dtype=weight.dtype, device=weight.device)
     sum_cfg = _column_sum_config(n_cols)
@@ -319,25 +323,25 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
 # torch.library custom ops: opaque to torch.compile, so a fused model traces with fullgraph=True
 # ----------------------------------------------------------------------------------------------------
 @torch.library.custom_op("tritonlm::rms_norm_fwd", mutates_args=())
-def _rms_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                     cast_xhat: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    return rms_norm_forward(x, weight, eps, cast_xhat)
+def _rms_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_xhat: bool = False,
+                     weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    return rms_norm_forward(x, weight, eps, cast_xhat, weight_offset)
 
 
 @_rms_norm_fwd_op.register_fake
-def _(x, weight, eps, cast_xhat=False):
+def _(x, weight, eps, cast_xhat=False, weight_offset=0.0):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(rows, dtype=torch.float32)
 
 
 @torch.library.custom_op("tritonlm::rms_norm_bwd", mutates_args=())
-def _rms_norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                     rstd: torch.Tensor, cast_xhat: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    return rms_norm_backward(dy, x, weight, rstd, cast_xhat=cast_xhat)
+def _rms_norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                     cast_xhat: bool = False, weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    return rms_norm_backward(dy, x, weight, rstd, cast_xhat=cast_xhat, weight_offset=weight_offset)
 
 
 @_rms_norm_bwd_op.register_fake
-def _(dy, x, weight, rstd, cast_xhat=False):
+def _(dy, x, weight, rstd, cast_xhat=False, weight_offset=0.0):
     return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
 
 
@@ -346,12 +350,13 @@ class RMSNormFunction(torch.autograd.Function):
     custom ops above; in eager mode the launchers directly (no dispatcher overhead)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, cast_xhat: bool = False):
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, cast_xhat: bool = False,
+                weight_offset: float = 0.0):
         fwd = _rms_norm_fwd_op if use_custom_op(x) else rms_norm_forward
         with kernel_range("tritonlm::rms_norm_fwd"):
-            y, rstd = fwd(x, weight, eps, cast_xhat)
+            y, rstd = fwd(x, weight, eps, cast_xhat, weight_offset)
         ctx.save_for_backward(x, weight, rstd)
-        ctx.cast_xhat = cast_xhat
+        ctx.cast_xhat, ctx.weight_offset = cast_xhat, weight_offset
         return y
 
     @staticmethod
@@ -360,30 +365,32 @@ class RMSNormFunction(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         bwd = _rms_norm_bwd_op if use_custom_op(x) else rms_norm_backward
         with kernel_range("tritonlm::rms_norm_bwd"):
-            dx, dweight = bwd(dy, x, weight, rstd, cast_xhat=ctx.cast_xhat)
-        return dx, dweight, None, None
+            dx, dweight = bwd(dy, x, weight, rstd, cast_xhat=ctx.cast_xhat, weight_offset=ctx.weight_offset)
+        return dx, dweight, None, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *, cast_xhat: bool = False) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *, cast_xhat: bool = False,
+             weight_offset: float = 0.0) -> torch.Tensor:
     """Fused RMSNorm of ``x[..., d_model]`` with ``weight[d_model]``; returns x's dtype.
 
     ``cast_xhat=True`` follows Hugging Face Llama's casting: ``weight * (x * rstd).to(x.dtype)`` (the normalised
-    row is rounded to x's dtype before the weight multiply; the same as the default in fp32)."""
+    row is rounded to x's dtype before the weight multiply; the same as the default in fp32). ``weight_offset``
+    scales by ``weight_offset + weight`` in fp32 (Gemma's ``x̂ · (1 + w)``: 1.0)."""
     _check(x, weight)
-    return RMSNormFunction.apply(x, weight, eps, cast_xhat)
+    return RMSNormFunction.apply(x, weight, eps, cast_xhat, float(weight_offset))
 
 
 # ----------------------------------------------------------------------------------------------------
 # fused residual add + RMSNorm: the pre-norm seam ``h = x + residual; y = rmsnorm(h)`` in one pass
 # ----------------------------------------------------------------------------------------------------
 @torch.library.custom_op("tritonlm::add_rms_norm_fwd", mutates_args=())
-def _add_rms_norm_fwd_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                         eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return add_rms_norm_forward(x, residual, weight, eps)
+def _add_rms_norm_fwd_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                         weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return add_rms_norm_forward(x, residual, weight, eps, weight_offset)
 
 
 @_add_rms_norm_fwd_op.register_fake
-def _(x, residual, weight, eps):
+def _(x, residual, weight, eps, weight_offset=0.0):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     return y, torch.empty_like(y), x.new_empty(rows, dtype=torch.float32)
@@ -391,12 +398,12 @@ def _(x, residual, weight, eps):
 
 @torch.library.custom_op("tritonlm::add_rms_norm_bwd", mutates_args=())
 def _add_rms_norm_bwd_op(dy: torch.Tensor, dh: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
-                         rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return rms_norm_backward(dy, h, weight, rstd, dh)
+                         rstd: torch.Tensor, weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    return rms_norm_backward(dy, h, weight, rstd, dh, weight_offset=weight_offset)
 
 
 @_add_rms_norm_bwd_op.register_fake
-def _(dy, dh, h, weight, rstd):
+def _(dy, dh, h, weight, rstd, weight_offset=0.0):
     return torch.empty_like(h, memory_format=torch.contiguous_format), torch.empty_like(weight)
 
 
@@ -405,11 +412,13 @@ class AddRMSNormFunction(torch.autograd.Function):
     ``dy`` and ``dh`` (either may be absent) and returns the same ``dL/dh`` for x and residual."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5):
+    def forward(ctx, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,
+                weight_offset: float = 0.0):
         fwd = _add_rms_norm_fwd_op if use_custom_op(x) else add_rms_norm_forward
         with kernel_range("tritonlm::add_rms_norm_fwd"):
-            y, h, rstd = fwd(x, residual, weight, eps)
+            y, h, rstd = fwd(x, residual, weight, eps, weight_offset)
         ctx.save_for_backward(h, weight, rstd)
+        ctx.weight_offset = weight_offset
         ctx.set_materialize_grads(False)
         return y, h
 
@@ -419,27 +428,28 @@ class AddRMSNormFunction(torch.autograd.Function):
         h, weight, rstd = ctx.saved_tensors
         if dy is None:  # y unused: only h's own gradient flows, to both inputs
             dh = torch.zeros_like(h) if dh is None else dh
-            return dh, dh, torch.zeros_like(weight), None
+            return dh, dh, torch.zeros_like(weight), None, None
         with kernel_range("tritonlm::add_rms_norm_bwd"):
             if use_custom_op(h):
                 dx, dweight = _add_rms_norm_bwd_op(dy, dh if dh is not None else torch.zeros_like(h), h, weight,
-                                                   rstd)
+                                                   rstd, ctx.weight_offset)
             else:
-                dx, dweight = rms_norm_backward(dy, h, weight, rstd, dh)
-        return dx, dx, dweight, None
+                dx, dweight = rms_norm_backward(dy, h, weight, rstd, dh, weight_offset=ctx.weight_offset)
+        return dx, dx, dweight, None, None
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *,
+                 weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused ``h = x + residual``, ``y = rmsnorm(h) * weight``; returns ``(y, h)``, both ``[..., d_model]``
-    in x's dtype (h rounded to it exactly as ``x + residual`` would be; the norm in fp32)."""
+    in x's dtype (h rounded to it exactly as ``x + residual`` would be; the norm in fp32). ``weight_offset`` as in
+    :func:`rms_norm`."""
     _check(x, weight)
     if residual.shape != x.shape:
         raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} and x {tuple(x.shape)} differ")
     if residual.dtype != x.dtype:
         raise TypeError(f"add_rms_norm: residual is {residual.dtype} but x is {x.dtype}")
     check_device("add_rms_norm", x, residual, weight)
-    return AddRMSNormFunction.apply(x, residual, weight, eps)
+    return AddRMSNormFunction.apply(x, residual, weight, eps, float(weight_offset))
 
 
 # ----------------------------------------------------------------------------------------------------

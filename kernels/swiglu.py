@@ -1,10 +1,14 @@
-"""SwiGLU gate: ``h = silu(a) * b = a * sigmoid(a) * b`` for ``a = x W1ᵀ``, ``b = x W3ᵀ``.
+"""Gated activations of the FFN: SwiGLU ``h = silu(a) * b = a · σ(a) · b`` and GeGLU ``h = gelu(a) * b`` (tanh
+approximation, Gemma's, or the exact erf GELU), for ``a = x W1ᵀ``, ``b = x W3ᵀ``. One kernel pair, the activation a
+constexpr (``ACTIVATION``: "silu", "gelu_tanh", "gelu").
 
 The projections stay cuBLAS matmuls; this kernel owns the elementwise part. Forward saves only a and b;
-backward recomputes ``s = sigmoid(a)`` in registers::
+backward recomputes the activation and its derivative in registers::
 
-    da = dh * b * s * (1 + a * (1 - s))
-    db = dh * a * s
+    da = dh * b * act'(a)            silu': s (1 + a (1 - s)), s = σ(a)
+    db = dh * act(a)                 gelu_tanh': ½(1 + t) + ½ a (1 - t²) k (1 + 3·0.044715 a²),
+                                                t = tanh(k (a + 0.044715 a³)), k = √(2/π)
+                                     gelu': Φ(a) + a φ(a)  (the normal CDF and density)
 
 Math in fp32, results in the inputs' dtype. The tensors are walked as flat arrays of ``BLOCK`` elements
 per program (contiguous, so loads vectorise to 128-bit); ``BLOCK = 1024`` with 4 warps gives each thread
@@ -29,31 +33,45 @@ BLOCK = 1024
 
 
 @triton.jit
-def _swiglu_fwd_kernel(A, B, H, n_elements, BLOCK: tl.constexpr):
+def _activation(a, ACTIVATION: tl.constexpr):
+    """``(act(a), act'(a))`` in fp32."""
+    if ACTIVATION == "silu":
+        s = tl.sigmoid(a)
+        return a * s, s * (1.0 + a * (1.0 - s))
+    elif ACTIVATION == "gelu_tanh":
+        k = 0.7978845608028654  # sqrt(2 / pi)
+        t = 2.0 * tl.sigmoid(2.0 * k * (a + 0.044715 * a * a * a)) - 1.0  # tanh, from the sigmoid
+        return 0.5 * a * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * a * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * a * a)
+    else:
+        cdf = 0.5 * (1.0 + tl.math.erf(a * 0.7071067811865476))
+        return a * cdf, cdf + a * tl.exp(-0.5 * a * a) * 0.3989422804014327  # + a·φ(a), φ = e^(-a²/2)/√(2π)
+
+
+@triton.jit
+def _swiglu_fwd_kernel(A, B, H, n_elements, BLOCK: tl.constexpr, ACTIVATION: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
     # ---- load
     a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
     # ---- compute
-    h = a * tl.sigmoid(a) * b
+    act, _ = _activation(a, ACTIVATION)
     # ---- store
-    tl.store(H + offs, h.to(H.dtype.element_ty), mask=mask)
+    tl.store(H + offs, (act * b).to(H.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _swiglu_bwd_kernel(DH, A, B, DA, DB, n_elements, BLOCK: tl.constexpr):
+def _swiglu_bwd_kernel(DH, A, B, DA, DB, n_elements, BLOCK: tl.constexpr, ACTIVATION: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
     # ---- load
     dh = tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
     a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
-    # ---- compute: sigmoid recomputed, never stored
-    s = tl.sigmoid(a)
-    silu_a = a * s
-    da = dh * b * s * (1.0 + a * (1.0 - s))
-    db = dh * silu_a
+    # ---- compute: the activation recomputed, never stored
+    act, d_act = _activation(a, ACTIVATION)
+    da = dh * b * d_act
+    db = dh * act
     # ---- store
     tl.store(DA + offs, da.to(DA.dtype.element_ty), mask=mask)
     tl.store(DB + offs, db.to(DB.dtype.element_ty), mask=mask)
@@ -63,61 +81,68 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def _launch_config(a: torch.Tensor) -> dict:
-    return tuned.choose("swiglu", tuned.dtype_name(a.dtype), a.device, dict(BLOCK=BLOCK, num_warps=4))
+#: activation -> the tuned-table kernel whose launch configuration it uses
+TUNED_NAME = {"silu": "swiglu", "gelu_tanh": "geglu", "gelu": "geglu"}
 
 
-def swiglu_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _launch_config(a: torch.Tensor, activation: str = "silu") -> dict:
+    return tuned.choose(TUNED_NAME[activation], tuned.dtype_name(a.dtype), a.device, dict(BLOCK=BLOCK, num_warps=4))
+
+
+def swiglu_forward(a: torch.Tensor, b: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     a, b = _flat(a), _flat(b)
     h = torch.empty_like(a)
     n = a.numel()
     if n:
-        cfg = _launch_config(a)
-        _swiglu_fwd_kernel[(triton.cdiv(n, cfg["BLOCK"]),)](a, b, h, n, **cfg)
+        cfg = _launch_config(a, activation)
+        _swiglu_fwd_kernel[(triton.cdiv(n, cfg["BLOCK"]),)](a, b, h, n, ACTIVATION=activation, **cfg)
     return h
 
 
-def swiglu_backward(dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor, inplace: bool = False):
+def swiglu_backward(dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor, inplace: bool = False,
+                    activation: str = "silu"):
     """``(da, db)``; with ``inplace`` they are written over (contiguous) a and b."""
     dh, a, b = _flat(dh), _flat(a), _flat(b)
     da, db = (a, b) if inplace else (torch.empty_like(a), torch.empty_like(b))
     n = a.numel()
     if n:
-        cfg = _launch_config(a)
-        _swiglu_bwd_kernel[(triton.cdiv(n, cfg["BLOCK"]),)](dh, a, b, da, db, n, **cfg)
+        cfg = _launch_config(a, activation)
+        _swiglu_bwd_kernel[(triton.cdiv(n, cfg["BLOCK"]),)](dh, a, b, da, db, n, ACTIVATION=activation, **cfg)
     return da, db
 
 
 @torch.library.custom_op("tritonlm::swiglu_fwd", mutates_args=())
-def _swiglu_fwd_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return swiglu_forward(a, b)
+def _swiglu_fwd_op(a: torch.Tensor, b: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    return swiglu_forward(a, b, activation)
 
 
 @_swiglu_fwd_op.register_fake
-def _(a, b):
+def _(a, b, activation="silu"):
     return torch.empty_like(a, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("tritonlm::swiglu_bwd", mutates_args=())
-def _swiglu_bwd_op(dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return swiglu_backward(dh, a, b)
+def _swiglu_bwd_op(dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor, activation: str = "silu"
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    return swiglu_backward(dh, a, b, activation=activation)
 
 
 @_swiglu_bwd_op.register_fake
-def _(dh, a, b):
+def _(dh, a, b, activation="silu"):
     return (torch.empty_like(a, memory_format=torch.contiguous_format),
             torch.empty_like(b, memory_format=torch.contiguous_format))
 
 
 class SwiGLUGateFunction(torch.autograd.Function):
-    """Saves a and b only; backward recomputes the sigmoid."""
+    """``act(a) * b`` (``activation``: "silu", "gelu_tanh", "gelu"); saves a and b only, the backward recomputes the
+    activation."""
 
     @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor, inplace_backward: bool = False):
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, inplace_backward: bool = False, activation: str = "silu"):
         ctx.save_for_backward(a, b)
-        ctx.inplace, ctx.consumed = inplace_backward, False
+        ctx.inplace, ctx.consumed, ctx.activation = inplace_backward, False, activation
         with kernel_range("tritonlm::swiglu_fwd"):
-            return (_swiglu_fwd_op if use_custom_op(a) else swiglu_forward)(a, b)
+            return (_swiglu_fwd_op if use_custom_op(a) else swiglu_forward)(a, b, activation)
 
     @staticmethod
     @first_order_backward
@@ -131,10 +156,20 @@ class SwiGLUGateFunction(torch.autograd.Function):
         ctx.consumed = inplace
         with kernel_range("tritonlm::swiglu_bwd"):
             if use_custom_op(a):
-                da, db = _swiglu_bwd_op(dh, a, b)
+                da, db = _swiglu_bwd_op(dh, a, b, ctx.activation)
             else:
-                da, db = swiglu_backward(dh, a, b, inplace)
-        return da, db, None
+                da, db = swiglu_backward(dh, a, b, inplace, ctx.activation)
+        return da, db, None, None
+
+
+def _gate(op: str, a: torch.Tensor, b: torch.Tensor, inplace_backward: bool, activation: str) -> torch.Tensor:
+    if a.shape != b.shape:
+        raise ValueError(f"{op}: a {tuple(a.shape)} and b {tuple(b.shape)} must have one shape")
+    if a.dtype != b.dtype:
+        raise TypeError(f"{op}: a is {a.dtype} but b is {b.dtype}")
+    check_float(op, a)
+    check_device(op, a, b)
+    return SwiGLUGateFunction.apply(a, b, inplace_backward, activation)
 
 
 def swiglu_gate(a: torch.Tensor, b: torch.Tensor, *, inplace_backward: bool = False) -> torch.Tensor:
@@ -142,56 +177,70 @@ def swiglu_gate(a: torch.Tensor, b: torch.Tensor, *, inplace_backward: bool = Fa
 
     ``inplace_backward=True``: the backward writes the gradients over a and b (no new memory). Only for a and b
     that nothing else reads afterwards (fresh projection outputs, as in the FFN), and one backward pass."""
-    if a.shape != b.shape:
-        raise ValueError(f"swiglu_gate: a {tuple(a.shape)} and b {tuple(b.shape)} must have one shape")
-    if a.dtype != b.dtype:
-        raise TypeError(f"swiglu_gate: a is {a.dtype} but b is {b.dtype}")
-    check_float("swiglu_gate", a)
-    check_device("swiglu_gate", a, b)
-    return SwiGLUGateFunction.apply(a, b, inplace_backward)
+    return _gate("swiglu_gate", a, b, inplace_backward, "silu")
+
+
+def geglu_gate(gate: torch.Tensor, up: torch.Tensor, *, approximate: str = "tanh",
+               inplace_backward: bool = False) -> torch.Tensor:
+    """``gelu(gate) * up`` elementwise (Gemma's FFN gate): ``approximate="tanh"`` (``F.gelu(..., approximate=
+    "tanh")``, transformers' ``gelu_pytorch_tanh``) or ``"none"`` (the exact erf GELU). ``inplace_backward`` as in
+    :func:`swiglu_gate`."""
+    if approximate not in ("tanh", "none"):
+        raise ValueError(f"geglu_gate: approximate must be 'tanh' or 'none', got {approximate!r}")
+    return _gate("geglu_gate", gate, up, inplace_backward, "gelu_tanh" if approximate == "tanh" else "gelu")
 
 
 # ----------------------------------------------------------------------------------------------------
 # registration: what the SASS report, the sweep and the op suite need (kernels/_registry.py)
 # ----------------------------------------------------------------------------------------------------
-def _sass_cases(quick: bool) -> list[_registry.SassCase]:
+def _sass_cases(quick: bool, activation: str = "silu") -> list[_registry.SassCase]:
+    label = "swiglu" if activation == "silu" else "geglu"
     cases = []
     for dtype, hidden in _registry.sass_shapes(quick):
         x = torch.empty(_registry.SASS_ROWS, hidden, dtype=dtype, device="meta")
         case = f"{_registry.SASS_ROWS}x{hidden} {_registry.dtype_label(dtype)}"
-        cases += [_registry.SassCase(case, lambda x=x: swiglu_forward(x, x), (_registry.SassLaunch("swiglu.fwd"),)),
-                  _registry.SassCase(case, lambda x=x: swiglu_backward(x, x, x), (_registry.SassLaunch("swiglu.bwd"),))]
+        cases += [_registry.SassCase(case, lambda x=x: swiglu_forward(x, x, activation),
+                                     (_registry.SassLaunch(f"{label}.fwd"),)),
+                  _registry.SassCase(case, lambda x=x: swiglu_backward(x, x, x, activation=activation),
+                                     (_registry.SassLaunch(f"{label}.bwd"),))]
     return cases
 
 
-def _sweep_cases(device: torch.device, smoke: bool) -> list[_registry.SweepCase]:
+def _sweep_cases(device: torch.device, smoke: bool, activation: str = "silu") -> list[_registry.SweepCase]:
     """The gate of a Llama-7B FFN's worth of tokens: 8K x 11008 (smoke: 64 x 96)."""
     dtype = torch.float32 if smoke else torch.bfloat16
 
     def step():
         shape = (64, 96) if smoke else (8192, 11008)
         a, b = (torch.randn(shape, device=device, dtype=dtype) for _ in range(2))
-        return lambda: swiglu_gate(a, b)
+        return lambda: SwiGLUGateFunction.apply(a, b, False, activation)
 
-    return [_registry.SweepCase("swiglu", tuned.dtype_name(dtype), step, _SWEEP_CANDIDATES)]
-
-
-def _reference_swiglu(a, b):
-    return a * torch.sigmoid(a) * b
+    return [_registry.SweepCase(TUNED_NAME[activation], tuned.dtype_name(dtype), step, _SWEEP_CANDIDATES)]
 
 
-def _bench_case(rows: int, hidden: int, device: torch.device, dtype: torch.dtype) -> _registry.BenchCase:
+_REFERENCES = {"silu": lambda a, b: a * torch.sigmoid(a) * b,
+               "gelu_tanh": lambda a, b: torch.nn.functional.gelu(a, approximate="tanh") * b}
+
+
+def _bench_case(rows: int, hidden: int, device: torch.device, dtype: torch.dtype,
+                activation: str = "silu") -> _registry.BenchCase:
     a, b = (torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
     n = _registry.nbytes(a)
-    return _registry.BenchCase({"reference": _reference_swiglu, "tritonlm": swiglu_gate}, (a, b),
-                               {"fwd": 3 * n, "bwd": 5 * n}, liger="swiglu")
+    ours = swiglu_gate if activation == "silu" else geglu_gate
+    return _registry.BenchCase({"reference": _REFERENCES[activation], "tritonlm": ours}, (a, b),
+                               {"fwd": 3 * n, "bwd": 5 * n}, liger="swiglu" if activation == "silu" else "geglu")
 
 
 _SWEEP_CANDIDATES = (dict(BLOCK=2048, num_warps=4), dict(BLOCK=2048, num_warps=8), dict(BLOCK=4096, num_warps=8),
                      dict(BLOCK=512, num_warps=4))
 
-_registry.register(_registry.Op(
-    name="swiglu", entry_points=("swiglu_gate", "SwiGLUGateFunction"), reference="tritonlm.modules.reference.SwiGLU",
-    tunables=(_registry.Tunable("swiglu", ("BLOCK", "num_warps"), _SWEEP_CANDIDATES,
-                                lambda key, device, dtype: dict(BLOCK=BLOCK, num_warps=4)),),
-    sass_cases=_sass_cases, sweep_cases=_sweep_cases, bench_case=_bench_case))
+for _name, _activation_name, _entry, _twin in (("swiglu", "silu", "swiglu_gate", "SwiGLU"),
+                                               ("geglu", "gelu_tanh", "geglu_gate", "GeGLU")):
+    _registry.register(_registry.Op(
+        name=_name, entry_points=(_entry, "SwiGLUGateFunction") if _name == "swiglu" else (_entry,),
+        reference=f"tritonlm.modules.reference.{_twin}",
+        tunables=(_registry.Tunable(_name, ("BLOCK", "num_warps"), _SWEEP_CANDIDATES,
+                                    lambda key, device, dtype: dict(BLOCK=BLOCK, num_warps=4)),),
+        sass_cases=lambda quick, a=_activation_name: _sass_cases(quick, a),
+        sweep_cases=lambda device, smoke, a=_activation_name: _sweep_cases(device, smoke, a),
+        bench_case=lambda rows, hidden, device, dtype, a=_activation_name: _bench_case(rows, hidden, device, dtype, a)))

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 NORMS = ("rmsnorm", "layernorm", "batchnorm", "none")
-FFNS = ("swiglu", "relu", "silu")
+FFNS = ("swiglu", "geglu", "relu", "silu")
 POSITIONS = ("rope", "sinusoidal", "none")
 NORM_POSITIONS = ("pre", "post")
 
@@ -76,20 +76,43 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss in training (transformers' default)
     shared_expert_d_ff: int | None = None  # a sigmoid-gated shared SwiGLU expert every token runs (Qwen2-MoE)
     moe_layers: tuple | None = None  # indices of the MoE layers (None: every layer)
+    # attention options of the model families people fine-tune
+    head_dim: int | None = None  # per-head width (None: d_model / num_heads; Qwen3 sets it explicitly)
+    qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
+    qk_norm: str | None = None  # "head": RMSNorm of each head's q and k before RoPE (Qwen3)
+    norm_offset: bool = False  # RMSNorm scales by (1 + weight), weights starting at 0 (Gemma)
+    embedding_scale: float | None = None  # token embeddings times this (Gemma: sqrt(d_model), in the model's dtype)
 
     def __post_init__(self):
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
-        if self.d_model % self.num_heads:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
+        if self.head_dim is not None and (isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int)
+                                          or self.head_dim <= 0):
+            raise ValueError(f"ModelConfig.head_dim must be a positive int or None, got {self.head_dim!r}")
+        if self.head_dim is None and self.d_model % self.num_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads}) "
+                             "(or set head_dim)")
+        if not isinstance(self.qkv_bias, bool):
+            raise ValueError(f"ModelConfig.qkv_bias must be a bool, got {self.qkv_bias!r}")
+        if not isinstance(self.norm_offset, bool):
+            raise ValueError(f"ModelConfig.norm_offset must be a bool, got {self.norm_offset!r}")
+        if self.norm_offset and self.norm != "rmsnorm":
+            raise ValueError(f"ModelConfig.norm_offset needs norm='rmsnorm', got {self.norm!r}")
+        if self.embedding_scale is not None and (isinstance(self.embedding_scale, bool)
+                                                 or not isinstance(self.embedding_scale, (int, float))
+                                                 or not self.embedding_scale > 0):
+            raise ValueError(f"ModelConfig.embedding_scale must be a positive number or None, got "
+                             f"{self.embedding_scale!r}")
+        if self.qk_norm not in (None, "head"):
+            raise ValueError(f"ModelConfig.qk_norm must be None or 'head', got {self.qk_norm!r}")
         if self.num_kv_heads is not None and (not isinstance(self.num_kv_heads, int) or self.num_kv_heads <= 0
                                               or self.num_heads % self.num_kv_heads):
             raise ValueError(f"ModelConfig.num_kv_heads must be a positive divisor of num_heads ({self.num_heads}), "
                              f"got {self.num_kv_heads!r}")
         if self.position == "rope" and self.d_head % 2:
-            raise ValueError(f"RoPE needs an even head dim, got d_model/num_heads = {self.d_head}")
+            raise ValueError(f"RoPE needs an even head dim, got {self.d_head} (head_dim, or d_model / num_heads)")
         if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) or not self.norm_eps > 0:
             raise ValueError(f"ModelConfig.norm_eps must be a positive number, got {self.norm_eps!r}")
         if not isinstance(self.tie_embeddings, bool):
@@ -145,7 +168,7 @@ class ModelConfig:
 
     @property
     def d_head(self) -> int:
-        return self.d_model // self.num_heads
+        return self.head_dim or self.d_model // self.num_heads
 
     @property
     def kv_heads(self) -> int:

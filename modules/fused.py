@@ -35,7 +35,7 @@ from .reference import (  # noqa: F401  (unchanged components, re-exported for a
 
 __all__ = [
     "Linear", "Embedding", "RMSNorm", "LayerNorm", "BatchNorm", "RotaryPositionalEmbedding",
-    "SinusoidalPositionalEncoding", "SwiGLU", "ReLUFFN", "SiLUFFN", "MoEExperts", "MoEFFN", "MultiHeadSelfAttention",
+    "SinusoidalPositionalEncoding", "SwiGLU", "GeGLU", "ReLUFFN", "SiLUFFN", "MoEExperts", "MoEFFN", "MultiHeadSelfAttention",
     "KVCache",
     "TransformerBlock", "TransformerLM", "fuse", "unfuse", "lm_head_loss",
 ]
@@ -52,11 +52,11 @@ class RMSNorm(_ref.RMSNorm):
     """:class:`reference.RMSNorm` running the fused Triton kernel (fp32 math, x's dtype out)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _kernels().rms_norm(x, self.weight, self.eps)
+        return _kernels().rms_norm(x, self.weight, self.eps, weight_offset=self.offset)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rmsnorm(x + residual), x + residual)`` in one kernel (``add_rms_norm``)."""
-        return _kernels().add_rms_norm(x, residual, self.weight, self.eps)
+        return _kernels().add_rms_norm(x, residual, self.weight, self.eps, weight_offset=self.offset)
 
 
 class RotaryPositionalEmbedding(_ref.RotaryPositionalEmbedding):
@@ -82,6 +82,14 @@ class SwiGLU(_ref.SwiGLU):
         return _kernels().swiglu_gate(a, b, inplace_backward=True)
 
 
+class GeGLU(_ref.GeGLU):
+    """:class:`reference.GeGLU` with the gate ``gelu_tanh(a) * b`` as one Triton kernel (backward in place, as
+    :class:`SwiGLU`'s)."""
+
+    def gate(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return _kernels().geglu_gate(a, b, approximate="tanh", inplace_backward=True)
+
+
 class MultiHeadSelfAttention(_ref.MultiHeadSelfAttention):
     """:class:`reference.MultiHeadSelfAttention` with RoPE on q and k in one launch and Triton flash
     attention (bottom-right causal, so KV-cache decoding uses the same kernel)."""
@@ -90,6 +98,9 @@ class MultiHeadSelfAttention(_ref.MultiHeadSelfAttention):
         super().__init__(*args, **kwargs)
         if self.rope is not None:
             self.rope.__class__ = RotaryPositionalEmbedding
+        for norm in (self.q_norm, self.k_norm):  # q/k norms over each head (the RMSNorm kernel on [..., d_k])
+            if norm is not None:
+                norm.__class__ = RMSNorm
 
     def rotate(self, q, k, positions, trusted: bool = False):
         return self.rope.rotate_pair(q, k, positions, check_positions=not trusted)
@@ -152,6 +163,7 @@ _FUSED = {
     _ref.RMSNorm: RMSNorm,
     _ref.RotaryPositionalEmbedding: RotaryPositionalEmbedding,
     _ref.SwiGLU: SwiGLU,
+    _ref.GeGLU: GeGLU,
     _ref.MultiHeadSelfAttention: MultiHeadSelfAttention,
     _ref.MoEExperts: MoEExperts,
     _ref.MoEFFN: MoEFFN,

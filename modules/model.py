@@ -55,9 +55,9 @@ def components(backend: str) -> ModuleType:
     return _COMPONENTS[backend]
 
 
-def _make_norm(kind: str, comps, d_model: int, device, dtype, eps: float = 1e-5) -> nn.Module:
+def _make_norm(kind: str, comps, d_model: int, device, dtype, eps: float = 1e-5, offset: bool = False) -> nn.Module:
     if kind == "rmsnorm":
-        return comps.RMSNorm(d_model, eps, device=device, dtype=dtype)
+        return comps.RMSNorm(d_model, eps, device=device, dtype=dtype, offset=offset)
     if kind == "layernorm":
         return comps.LayerNorm(d_model, eps, device=device, dtype=dtype)
     if kind == "batchnorm":
@@ -74,6 +74,8 @@ def _make_ffn(kind: str, comps, d_model: int, d_ff: int, device, dtype, config: 
                             config.norm_topk_prob, config.shared_expert_d_ff, device=device, dtype=dtype)
     if kind == "swiglu":
         return comps.SwiGLU(d_model, d_ff, device=device, dtype=dtype)
+    if kind == "geglu":
+        return comps.GeGLU(d_model, d_ff, device=device, dtype=dtype)
     if kind == "relu":
         return comps.ReLUFFN(d_model, d_ff, device=device, dtype=dtype)
     if kind == "silu":
@@ -118,11 +120,13 @@ class TransformerBlock(nn.Module):
         comps = components(self.backend)
         self.norm_position = config.norm_position
         theta = config.rope_theta if config.position == "rope" else None
-        self.ln1 = _make_norm(config.norm, comps, config.d_model, device, dtype, config.norm_eps)
+        self.ln1 = _make_norm(config.norm, comps, config.d_model, device, dtype, config.norm_eps, config.norm_offset)
         self.attn = comps.MultiHeadSelfAttention(config.d_model, config.num_heads, config.context_length, theta,
                                                  device=device, dtype=dtype, num_kv_heads=config.num_kv_heads,
-                                                 rope_scaling=config.rope_scaling)
-        self.ln2 = _make_norm(config.norm, comps, config.d_model, device, dtype, config.norm_eps)
+                                                 rope_scaling=config.rope_scaling, head_dim=config.head_dim,
+                                                 qkv_bias=config.qkv_bias, qk_norm=config.qk_norm,
+                                                 norm_eps=config.norm_eps)
+        self.ln2 = _make_norm(config.norm, comps, config.d_model, device, dtype, config.norm_eps, config.norm_offset)
         self.ffn = _make_ffn(config.ffn, comps, config.d_model, config.d_ff, device, dtype, config, layer_idx)
 
     def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None,
@@ -200,8 +204,8 @@ class TransformerLM(nn.Module):
         ropes = [layer.attn.rope for layer in self.layers]
         for layer in self.layers[1:]:
             layer.attn.rope = ropes[0]
-        self.ln_final = (_make_norm(config.norm, comps, config.d_model, device, dtype, config.norm_eps)
-                         if config.norm_position == "pre" else nn.Identity())
+        self.ln_final = (_make_norm(config.norm, comps, config.d_model, device, dtype, config.norm_eps,
+                                    config.norm_offset) if config.norm_position == "pre" else nn.Identity())
         self.lm_head = comps.Linear(config.d_model, config.vocab_size, device=device, dtype=dtype)
         if config.tie_embeddings:
             # the shared matrix keeps the head's init (std sqrt(2 / (d_model + vocab))): the embedding's std 1
@@ -304,6 +308,9 @@ class TransformerLM(nn.Module):
             documents = Documents(document_ids.to(token_ids.device))
             token_positions = documents.positions
         x = self.token_embeddings(token_ids)
+        if self.config.embedding_scale is not None:
+            # (Gemma multiplies by the scale rounded to the activations' dtype)
+            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype, device=x.device)
         if self.position_encoding is not None:
             if token_positions is None:
                 token_positions = torch.arange(past, past + seq, device=token_ids.device)

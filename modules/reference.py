@@ -22,7 +22,7 @@ from .model import TransformerBlock, TransformerLM, register_components  # noqa:
 
 __all__ = [
     "Linear", "Embedding", "RMSNorm", "LayerNorm", "BatchNorm", "RotaryPositionalEmbedding",
-    "SinusoidalPositionalEncoding", "SwiGLU", "ReLUFFN", "SiLUFFN", "MoEExperts", "MoEFFN", "MultiHeadSelfAttention",
+    "SinusoidalPositionalEncoding", "SwiGLU", "GeGLU", "ReLUFFN", "SiLUFFN", "MoEExperts", "MoEFFN", "MultiHeadSelfAttention",
     "KVCache", "TransformerBlock", "TransformerLM", "lm_head_loss",
 ]
 
@@ -47,21 +47,24 @@ def _trunc_normal_(t: torch.Tensor, std: float) -> torch.Tensor:
 
 
 class Linear(nn.Module):
-    """``y = x Wᵀ`` without bias; ``weight`` is ``[out_features, in_features]``.
+    """``y = x Wᵀ`` (+ ``b`` with ``bias=True``); ``weight`` is ``[out_features, in_features]``, ``bias``
+    ``[out_features]``.
 
-    Init: truncated normal, std = sqrt(2 / (in + out)), cut at ±3 std.
+    Init: truncated normal, std = sqrt(2 / (in + out)), cut at ±3 std; the bias (Qwen2's q/k/v) starts at zero.
     """
 
-    def __init__(self, in_features: int, out_features: int, device=None, dtype=None):
+    def __init__(self, in_features: int, out_features: int, device=None, dtype=None, *, bias: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         _trunc_normal_(self.weight, math.sqrt(2.0 / (in_features + out_features)))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x[..., in_features] -> [..., out_features]``."""
         _check_last_dim(x, self.in_features, "Linear")
-        return einsum(x, self.weight, "... d_in, d_out d_in -> ... d_out")
+        y = einsum(x, self.weight, "... d_in, d_out d_in -> ... d_out")
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
@@ -97,12 +100,15 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x²) + eps) * weight`` over the last dim, computed in fp32, returned in x's dtype."""
+    """``x / sqrt(mean(x²) + eps) * weight`` over the last dim, computed in fp32, returned in x's dtype.
 
-    def __init__(self, d_model: int, eps: float = 1e-5, device=None, dtype=None):
+    ``offset=True`` (Gemma): ``x̂ · (1 + weight)`` with the weight starting at 0."""
+
+    def __init__(self, d_model: int, eps: float = 1e-5, device=None, dtype=None, *, offset: bool = False):
         super().__init__()
-        self.d_model, self.eps = d_model, eps
-        self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
+        self.d_model, self.eps, self.offset = d_model, eps, 1.0 if offset else 0.0
+        init = torch.zeros if offset else torch.ones
+        self.weight = nn.Parameter(init(d_model, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x[..., d_model] -> [..., d_model]``."""
@@ -111,7 +117,7 @@ class RMSNorm(nn.Module):
         in_dtype = x.dtype
         x = x.float()
         rms = torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (x / rms * self.weight.float()).to(in_dtype)
+        return (x / rms * (self.offset + self.weight.float())).to(in_dtype)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The pre-norm seam: ``h = x + residual`` and ``(self(h), h)``. The fused twin does it in one pass."""
@@ -294,6 +300,13 @@ class SwiGLU(nn.Module):
         return F.silu(a) * b
 
 
+class GeGLU(SwiGLU):
+    """``w2(gelu(w1 x) * w3 x)`` with the tanh-approximate GELU (Gemma's FFN); same parameters as :class:`SwiGLU`."""
+
+    def gate(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(a, approximate="tanh") * b
+
+
 class ReLUFFN(nn.Module):
     """The original Transformer FFN, ``w2(relu(w1 x))`` (no biases)."""
 
@@ -381,28 +394,38 @@ def lm_head_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *
 class MultiHeadSelfAttention(nn.Module):
     """Causal multi-head self-attention with optional RoPE on queries and keys.
 
-    ``q_proj``/``output_proj`` are ``[d_model, d_model]``, ``k_proj``/``v_proj`` ``[num_kv_heads·d_k, d_model]``
-    (``num_kv_heads`` defaults to ``num_heads``; fewer is grouped-query attention), rows grouped by head
-    (head ``h`` owns rows ``h*d_k:(h+1)*d_k``). RoPE is applied when ``theta`` is given.
+    ``q_proj`` is ``[num_heads·d_k, d_model]``, ``k_proj``/``v_proj`` ``[num_kv_heads·d_k, d_model]``, ``output_proj``
+    ``[d_model, num_heads·d_k]`` with ``d_k = head_dim`` (default ``d_model / num_heads``; ``num_kv_heads`` defaults
+    to ``num_heads``; fewer is grouped-query attention), rows grouped by head (head ``h`` owns rows
+    ``h*d_k:(h+1)*d_k``). RoPE is applied when ``theta`` is given. Options real checkpoints need: ``qkv_bias``
+    (biases on q, k, v: Qwen2) and ``qk_norm="head"`` (an RMSNorm of each head's q and k over ``d_k`` before RoPE,
+    weights ``q_norm.weight`` / ``k_norm.weight``: Qwen3), with ``norm_eps``.
     """
 
     def __init__(self, d_model: int, num_heads: int, max_seq_len: int | None = None,
                  theta: float | None = None, device=None, dtype=None, *, num_kv_heads: int | None = None,
-                 rope_scaling: dict | None = None):
+                 rope_scaling: dict | None = None, head_dim: int | None = None, qkv_bias: bool = False,
+                 qk_norm: str | None = None, norm_eps: float = 1e-5):
         super().__init__()
-        if d_model % num_heads:
+        if head_dim is None and d_model % num_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_kv_heads <= 0 or num_heads % num_kv_heads:
             raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
-        self.d_model, self.num_heads, self.d_k = d_model, num_heads, d_model // num_heads
+        if qk_norm not in (None, "head"):
+            raise ValueError(f"qk_norm must be None or 'head', got {qk_norm!r}")
+        self.d_model, self.num_heads, self.d_k = d_model, num_heads, head_dim or d_model // num_heads
         self.num_kv_heads = num_kv_heads
         self.max_seq_len = max_seq_len
-        self.q_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+        self.q_proj = Linear(d_model, num_heads * self.d_k, device=device, dtype=dtype, bias=qkv_bias)
         # grouped-query attention: fewer key/value heads, each shared by num_heads / num_kv_heads query heads
-        self.k_proj = Linear(d_model, num_kv_heads * self.d_k, device=device, dtype=dtype)
-        self.v_proj = Linear(d_model, num_kv_heads * self.d_k, device=device, dtype=dtype)
-        self.output_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+        self.k_proj = Linear(d_model, num_kv_heads * self.d_k, device=device, dtype=dtype, bias=qkv_bias)
+        self.v_proj = Linear(d_model, num_kv_heads * self.d_k, device=device, dtype=dtype, bias=qkv_bias)
+        self.output_proj = Linear(num_heads * self.d_k, d_model, device=device, dtype=dtype)
+        self.q_norm = self.k_norm = None
+        if qk_norm == "head":
+            self.q_norm = RMSNorm(self.d_k, norm_eps, device=device, dtype=dtype)
+            self.k_norm = RMSNorm(self.d_k, norm_eps, device=device, dtype=dtype)
         if theta is not None:
             if max_seq_len is None:
                 raise ValueError("RoPE (theta given) needs max_seq_len")
@@ -422,6 +445,8 @@ class MultiHeadSelfAttention(nn.Module):
         q = rearrange(self.q_proj(x), "... seq (heads d_k) -> ... heads seq d_k", heads=self.num_heads)
         k, v = (rearrange(proj(x), "... seq (kv_heads d_k) -> ... kv_heads seq d_k", kv_heads=self.num_kv_heads)
                 for proj in (self.k_proj, self.v_proj))
+        if self.q_norm is not None:  # each head's q and k normalised over d_k, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             generated = token_positions is None
             if generated:

@@ -14,7 +14,7 @@ import tritonlm
 from tritonlm import ModelConfig, TransformerLM
 from tritonlm.modules import fused, reference
 
-from helpers import FP32_ATTENTION_TOL, cpu_only
+from helpers import DTYPE_TOLERANCES, FP32_ATTENTION_TOL, cpu_only
 
 CFG = ModelConfig.preset("tiny", vocab_size=97, context_length=48, num_layers=2)
 
@@ -321,3 +321,35 @@ def test_torch_compile_inductor_fused_loss_matches_reference():
     torch.testing.assert_close(got, want, atol=tol / 10, rtol=tol / 10)
     for (name, p1), p2 in zip(ref.named_parameters(), fz.parameters()):
         torch.testing.assert_close(p2.grad, p1.grad, atol=tol / 10, rtol=tol, msg=name)
+
+
+@pytest.mark.parametrize("dtype, tol", DTYPE_TOLERANCES)
+def test_qwen_attention_options_fused_match_reference(dtype, tol):
+    """q/k/v biases, per-head q/k norms and a head_dim other than d_model / num_heads: the fused model (RMSNorm
+    kernel on each head, RoPE, flash attention at d 16) against the reference one, same state_dict; accounting
+    counts exactly the model's parameters."""
+    from tritonlm import accounting
+
+    cfg = ModelConfig(vocab_size=70, context_length=24, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                      d_ff=48, head_dim=16, qkv_bias=True, qk_norm="head", norm_eps=1e-6)
+    torch.manual_seed(0)
+    ref = TransformerLM(cfg, dtype=dtype)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith(".bias") or "_norm." in name:
+                p.uniform_(0.5, 1.5)
+    fz = TransformerLM(cfg, dtype=dtype, backend="triton")
+    assert list(ref.state_dict()) == list(fz.state_dict())
+    assert ref.layers[0].attn.q_proj.weight.shape == (64, 32) and ref.layers[0].attn.output_proj.weight.shape == (32, 64)
+    assert accounting.param_count(cfg) == sum(p.numel() for p in ref.parameters())
+    fz.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 70, (2, 11))
+    losses = [m.loss(ids[:, :-1], ids[:, 1:]) for m in (ref, fz)]
+    for loss in losses:
+        loss.backward()
+    scale = 4 if dtype == torch.float32 else 8
+    torch.testing.assert_close(losses[1].float(), losses[0].float(), atol=tol["atol"] * scale, rtol=tol["rtol"] * scale)
+    for (name, a), b in zip(ref.named_parameters(), fz.parameters()):
+        size = a.grad.float().abs().max().clamp_min(1e-3)
+        torch.testing.assert_close(b.grad.float() / size, a.grad.float() / size, atol=tol["atol"] * 5,
+                                   rtol=tol["rtol"] * 5, msg=lambda m, n=name: f"{n}: {m}")

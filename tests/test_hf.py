@@ -156,7 +156,8 @@ def test_config_mapping_errors_name_the_field():
     assert "model_type" in _error({"model_type": "gpt2"})
     assert "architectures" in _error({"architectures": ["LlamaForSequenceClassification"]})
     assert "hidden_act" in _error({"hidden_act": "gelu"})
-    assert "head_dim" in _error({"head_dim": 32})
+    assert "head dim" in _error({"head_dim": 15})  # RoPE pairs need an even head dim
+    assert model_config_from_hf({"model_type": "llama", **SIZES, "head_dim": 32}).d_head == 32  # explicit: kept
     assert "intermediate_size" in _error({}, drop=["intermediate_size"])
     assert "original_max_position_embeddings" in _error({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
     # both rope config styles read the same

@@ -219,3 +219,41 @@ def test_apply_kernels_moe_removal_and_switch():
     ids = torch.randint(0, 120, (1, 9)).to(DEVICE)
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, base(ids).logits)
+
+
+def test_mixtral_config_styles_read_alike():
+    """transformers 4.x (``rope_theta`` at the top) and 5.x (``rope_parameters``) Mixtral configs map to one
+    ModelConfig."""
+    from tritonlm.hf import model_config_from_hf
+
+    v4 = model_config_from_hf({"model_type": "mixtral", **SIZES, "rope_theta": 1e6})
+    v5 = model_config_from_hf({"model_type": "mixtral", **SIZES,
+                               "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
+    assert v4 == v5 and v4.rope_theta == 1e6 and v4.num_experts == 5 and v4.moe_layers is None
+
+
+def test_apply_kernels_moe_packed_batch():
+    """DataCollatorWithFlattening's packed row (position_ids restarting per document): logits, the loss with the
+    load-balancing term and every gradient equal the unpatched model's on the same packed batch."""
+    transformers = _transformers()
+    from tritonlm import hf
+
+    base = _moe_model("mixtral", seed=40)
+    base.config._attn_implementation = "sdpa"
+    patched = hf.apply_kernels(copy.deepcopy(base))
+    gen = torch.Generator().manual_seed(41)
+    docs = [{"input_ids": torch.randint(0, 120, (n,), generator=gen).tolist()} for n in (6, 11, 4)]
+    batch = transformers.DataCollatorWithFlattening()(docs)
+    batch = {k: v.to(DEVICE) for k, v in batch.items()}
+    with torch.no_grad():
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        torch.testing.assert_close(patched(**inputs, use_cache=False).logits, base(**inputs, use_cache=False).logits,
+                                   atol=3e-5, rtol=1e-4)
+    results = []
+    for model in (patched, base):
+        model.train()
+        results.append(_moe_loss_and_grads(model, batch))
+    (out, grads), (out_ref, grads_ref) = results
+    torch.testing.assert_close(out.loss, out_ref.loss, atol=3e-5, rtol=1e-4)
+    for name in grads_ref:
+        torch.testing.assert_close(grads[name], grads_ref[name], atol=3e-5, rtol=1e-4, msg=name)

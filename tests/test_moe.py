@@ -145,3 +145,13 @@ def test_bad_inputs():
         moe_experts(hidden, index, weights, gate_up, down, activation="relu")
     with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
         moe_experts(hidden.double(), index, weights, gate_up.double(), down.double())
+
+
+def test_no_tokens():
+    """An empty batch: zero output of the right shape, zero weight gradients."""
+    hidden, index, weights, gate_up, down = (t.float() for t in _problem(0, 16, 24, 3, 2, index=torch.zeros(0, 2)))
+    gate_up.requires_grad_()
+    out = moe_experts(hidden, index.long(), weights, gate_up, down)
+    assert out.shape == (0, 16)
+    out.sum().backward()
+    assert gate_up.grad.shape == gate_up.shape and gate_up.grad.abs().max() == 0

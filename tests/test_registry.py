@@ -28,11 +28,11 @@ def test_every_op_names_a_reference_twin_and_how_it_is_benchmarked():
 
 def test_tuned_fields_come_from_the_registered_tunables():
     fields = tuned.fields()
-    assert set(fields) == {"attention_fwd", "attention_bwd", "rms_norm", "rope", "swiglu", "moe_up", "moe_down",
+    assert set(fields) == {"attention_fwd", "attention_bwd", "rms_norm", "rope", "swiglu", "geglu", "moe_up", "moe_down",
                            "moe_down_bwd", "moe_dx", "moe_weight_grad"}
     assert fields["rms_norm"] == ("BLOCK_M", "num_warps") and "TMA" in fields["attention_fwd"]
-    with pytest.raises(tuned.TunedTableError, match="unknown kernel 'geglu'"):
-        tuned.validate({"version": 1, "kernels": {"geglu": {"bf16": {"BLOCK": 1024}}}})
+    with pytest.raises(tuned.TunedTableError, match="unknown kernel 'paged_decode'"):
+        tuned.validate({"version": 1, "kernels": {"paged_decode": {"bf16": {"BLOCK": 1024}}}})
 
 
 def test_every_tunable_has_sweep_cases_and_a_shipped_configuration():
@@ -74,7 +74,7 @@ def test_the_tools_read_the_registry_not_the_kernel_files():
                 raise AssertionError(f"{path}: importlib.import_module around a kernel file")
 
 
-@pytest.mark.parametrize("name", ["rmsnorm", "add_rmsnorm", "swiglu", "rope"])
+@pytest.mark.parametrize("name", ["rmsnorm", "add_rmsnorm", "swiglu", "geglu", "rope"])
 def test_bench_cases_time_implementations_that_agree(name):
     """What the op suite times side by side computes the same thing: each bench case's reference and ours, forward
     and the input gradients, on a small fp32 shape."""

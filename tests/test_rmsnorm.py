@@ -184,3 +184,41 @@ def test_add_rms_norm_bad_inputs():
         add_rms_norm(torch.randn(2, 8), torch.randn(2, 8).half(), w)
     with pytest.raises(ValueError, match="x must be"):
         add_rms_norm(torch.randn(2, 7), torch.randn(2, 7), w)
+
+
+@pytest.mark.parametrize("dtype, tol", DTYPE_TOLERANCES)
+@pytest.mark.parametrize("n_cols", [37, 9000])  # a row in registers, and the chunked path
+def test_weight_offset_vs_fp64(n_cols, dtype, tol):
+    """``weight_offset=1`` (Gemma): ``x̂ · (1 + w)`` in fp32, for rms_norm and add_rms_norm, forward and backward;
+    the weight's gradient is the plain weight's (d(1 + w)/dw = 1)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, n_cols, generator=gen).to(dtype).requires_grad_()
+    r = torch.randn(5, n_cols, generator=gen).to(dtype).requires_grad_()
+    w = (torch.randn(n_cols, generator=gen) / 4).to(dtype).requires_grad_()
+    y = rms_norm(x, w, 1e-6, weight_offset=1.0)
+    y2, h = add_rms_norm(x, r, w, 1e-6, weight_offset=1.0)
+    dy = torch.randn(y.shape, generator=gen).to(dtype)
+    grads = torch.autograd.grad((y * dy).sum() + (y2 * dy).sum(), (x, r, w))
+    x64, r64, w64 = (t.detach().double().requires_grad_() for t in (x, r, w))
+    y64 = TF.rms_norm(x64, (n_cols,), 1 + w64, 1e-6)
+    y2_64 = TF.rms_norm(x64 + r64, (n_cols,), 1 + w64, 1e-6)
+    grads64 = torch.autograd.grad((y64 * dy.double()).sum() + (y2_64 * dy.double()).sum(), (x64, r64, w64))
+    scale = {k: v * 8 for k, v in tol.items()}
+    torch.testing.assert_close(y.double(), y64, **scale)
+    torch.testing.assert_close(y2.double(), y2_64, **scale)
+    for got, want in zip(grads, grads64):
+        size = want.abs().max()
+        torch.testing.assert_close(got.double() / size, want / size, **scale)
+
+
+def test_offset_module_starts_at_identity_scale():
+    """``RMSNorm(offset=True)``: weights start at 0 (scale 1), reference and fused agree."""
+    ref = reference.RMSNorm(24, 1e-6, offset=True)
+    assert torch.equal(ref.weight, torch.zeros(24))
+    with torch.no_grad():
+        ref.weight.uniform_(-0.5, 0.5)
+    fz = fused.RMSNorm(24, 1e-6, offset=True)
+    fz.load_state_dict(ref.state_dict())
+    x = torch.randn(3, 24)
+    torch.testing.assert_close(fz(x), ref(x), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ref(x), TF.rms_norm(x, (24,), 1 + ref.weight, 1e-6), atol=1e-6, rtol=1e-6)

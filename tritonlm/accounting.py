@@ -33,7 +33,7 @@ def _norm_params(cfg: ModelConfig) -> int:
 
 
 def _ffn_matrices(cfg: ModelConfig) -> int:
-    return 3 if cfg.ffn == "swiglu" else 2
+    return 3 if cfg.ffn in ("swiglu", "geglu") else 2
 
 
 def _ffn_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
@@ -49,9 +49,11 @@ def _ffn_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
 def param_count(cfg: ModelConfig, active: bool = False) -> int:
     """Trainable parameters: embeddings + layers (attention, FFN, two norms) + final norm + LM head. ``active``:
     the parameters one token's forward uses (differs from the total in mixture-of-experts models only)."""
-    d, d_kv = cfg.d_model, cfg.kv_heads * cfg.d_head
-    # q and output projections d x d; k and v d x (kv heads x d_head) (smaller under GQA)
-    attention_and_norms = 2 * d * d + 2 * d * d_kv + 2 * _norm_params(cfg)
+    d, d_q, d_kv = cfg.d_model, cfg.num_heads * cfg.d_head, cfg.kv_heads * cfg.d_head
+    # q and output projections d x (heads x d_head); k and v d x (kv heads x d_head) (smaller under GQA); Qwen2's
+    # q/k/v biases; Qwen3's per-head q/k norm weights
+    attention_and_norms = (2 * d * d_q + 2 * d * d_kv + 2 * _norm_params(cfg) + (d_q + 2 * d_kv) * cfg.qkv_bias
+                           + (2 * cfg.d_head if cfg.qk_norm else 0))
     layers = sum(attention_and_norms + _ffn_params(cfg, i, active) for i in range(cfg.num_layers))
     final_norm = _norm_params(cfg) if cfg.norm_position == "pre" else 0
     lm_head = 0 if cfg.tie_embeddings else d * cfg.vocab_size  # tied: the embedding matrix is the head
@@ -69,11 +71,11 @@ def forward_flops(cfg: ModelConfig, seq_len: int, batch_size: int = 1) -> dict:
         raise ValueError("seq_len and batch_size must be positive")
     tokens = batch_size * seq_len
     d, layers = cfg.d_model, cfg.num_layers
-    d_kv = cfg.kv_heads * cfg.d_head
+    d_q, d_kv = cfg.num_heads * cfg.d_head, cfg.kv_heads * cfg.d_head
     out = {
-        "attention_projections": layers * 2 * tokens * d * (2 * d + 2 * d_kv),
+        "attention_projections": layers * 2 * tokens * d * (2 * d_q + 2 * d_kv),
         # QKᵀ: [seq, d_head] x [d_head, seq] per head, then P·V: [seq, seq] x [seq, d_head] per head
-        "attention_matmuls": layers * 2 * 2 * batch_size * seq_len * seq_len * d,
+        "attention_matmuls": layers * 2 * 2 * batch_size * seq_len * seq_len * d_q,
         "ffn": sum(2 * tokens * _ffn_params(cfg, i, active=True) for i in range(layers)),
         "lm_head": 2 * tokens * d * cfg.vocab_size,
     }
@@ -103,7 +105,7 @@ def activation_elements(cfg: ModelConfig, seq_len: int, batch_size: int = 1) -> 
     """
     b, s, d, h = batch_size, seq_len, cfg.d_model, cfg.num_heads
     d_kv = cfg.kv_heads * cfg.d_head  # K and V are this wide (d_model unless GQA)
-    dense_ffn = (4 if cfg.ffn == "swiglu" else 2) * b * s * cfg.d_ff
+    dense_ffn = (4 if cfg.ffn in ("swiglu", "geglu") else 2) * b * s * cfg.d_ff
     # an MoE layer: its router logits, each routed pair's two projections, activation and product
     moe_ffn = b * s * cfg.num_experts + 4 * b * s * cfg.experts_per_token * cfg.expert_d_ff + (
         4 * b * s * cfg.shared_expert_d_ff if cfg.shared_expert_d_ff else 0)

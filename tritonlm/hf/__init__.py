@@ -1,8 +1,8 @@
 """Hugging Face interop (optional extra: ``pip install 'tritonlm[hf]'`` for ``transformers`` + ``safetensors``).
 
-* :func:`from_pretrained` / :func:`save_pretrained`: local ``LlamaForCausalLM`` / ``MistralForCausalLM``
-  directories <-> :class:`~tritonlm.modules.TransformerLM` (RoPE rows permuted between HF's half-split layout
-  and this library's interleaved pairs).
+* :func:`from_pretrained` / :func:`save_pretrained`: local checkpoint directories of the families in
+  :data:`SUPPORTED_MODELS` <-> :class:`~tritonlm.modules.TransformerLM` (RoPE rows permuted between HF's
+  half-split layout and this library's interleaved pairs).
 * :func:`apply_kernels` / :func:`remove_kernels`: patch an HF model instance in place with the fused kernels.
 * :func:`model_config_from_hf`: the :class:`~tritonlm.config.ModelConfig` of an HF config dict (plain JSON,
   no optional dependency).
@@ -21,7 +21,7 @@ def _unshadow_kernels_package() -> None:
     install, never through it."""
     ours = _os.path.dirname(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))
     checkout = (_os.path.isfile(_os.path.join(ours, "pyproject.toml"))
-                and _os.path.isfile(_os.path.join(ours, "kernels", "flash_attention.py")))
+                and _os.path.isfile(_os.path.join(ours, "kernels", "_registry.py")))
     if "transformers" in _sys.modules or not checkout:  # an installed tritonlm: nothing shadows anything
         return
     _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != ours]
@@ -29,8 +29,20 @@ def _unshadow_kernels_package() -> None:
 
 _unshadow_kernels_package()
 
+from .checkpoint import FAMILIES as _FAMILIES  # noqa: E402
 from .checkpoint import from_pretrained, model_config_from_hf, read_hf_config, save_pretrained  # noqa: E402
+from .patch import MODEL_TYPES as _PATCHABLE  # noqa: E402
 from .patch import apply_kernels, remove_kernels  # noqa: E402
 
+#: The tokenizer.json kind each family ships, and whether ``Tokenizer.from_hf`` reads it.
+TOKENIZERS = {"llama": "byte-level BPE (Llama 3); SentencePiece BPE (Llama 2): not yet",
+              "mistral": "SentencePiece BPE: not yet", "mixtral": "SentencePiece BPE: not yet",
+              "gemma": "SentencePiece BPE: not yet",
+              "qwen2": "byte-level BPE", "qwen3": "byte-level BPE", "qwen2_moe": "byte-level BPE",
+              "qwen3_moe": "byte-level BPE"}
+#: model_type -> what works with it (README's "Supported models" table is checked against this).
+SUPPORTED_MODELS = {kind: {"architecture": arch, "from_pretrained": True, "apply_kernels": kind in _PATCHABLE,
+                           "tokenizer": TOKENIZERS[kind]} for kind, arch in _FAMILIES.items()}
+
 __all__ = ["from_pretrained", "save_pretrained", "apply_kernels", "remove_kernels", "model_config_from_hf",
-           "read_hf_config"]
+           "read_hf_config", "SUPPORTED_MODELS"]

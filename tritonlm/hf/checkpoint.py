@@ -1,4 +1,5 @@
-"""Hugging Face Llama/Mistral/Mixtral checkpoints <-> :class:`~tritonlm.modules.TransformerLM`.
+"""Hugging Face checkpoints <-> :class:`~tritonlm.modules.TransformerLM`: Llama, Mistral, Mixtral, Qwen2, Qwen3,
+Qwen2-MoE and Qwen3-MoE (:data:`FAMILIES`).
 
 Two differences between the layouts, everything else is a rename:
 
@@ -6,7 +7,11 @@ Two differences between the layouts, everything else is a rename:
   Permuting the rows of each head of ``q_proj`` and ``k_proj`` by ``[0, d/2, 1, d/2+1, ...]`` turns one into
   the other: ``q·k`` is unchanged because q and k are permuted alike, and ``v`` is untouched.
 * Tied embeddings. HF omits ``lm_head.weight`` from the file when ``tie_word_embeddings`` is set.
-* Mixtral's experts. Files hold them per expert (``block_sparse_moe.experts.{j}.w1/w2/w3``, what the Hub has and
+* Qwen's extras are model options: q/k/v biases (Qwen2: ``qkv_bias``; their rows permuted like the weights'),
+  per-head q/k RMSNorms (Qwen3: ``qk_norm="head"``, weights permuted alike), an explicit ``head_dim``, dense
+  layers among the MoE ones (``mlp_only_layers`` / ``decoder_sparse_step`` -> ``moe_layers``) and Qwen2-MoE's gated
+  shared expert (``shared_expert_d_ff``).
+* MoE experts. Files hold them per expert (``block_sparse_moe.experts.{j}.w1/w2/w3``, what the Hub has and
   transformers 4.x writes) or stacked (transformers 5's ``mlp.experts.gate_up_proj`` / ``down_proj``); both load
   into the stacked layout the model keeps, and checkpoints are written per expert, which both versions read.
 
@@ -26,8 +31,14 @@ from ..config import ModelConfig
 
 logger = logging.getLogger("tritonlm")
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
-MODEL_TYPES = ("llama", "mistral", "mixtral")
+#: model_type -> its causal-LM class (what config.json's "architectures" names)
+FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+            "gemma": "GemmaForCausalLM",
+            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM"}
+ARCHITECTURES = tuple(FAMILIES.values())
+MODEL_TYPES = tuple(FAMILIES)
+_QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 
 #: ours (inside ``layers.{i}.``) -> HF (inside ``model.layers.{i}.``)
 LAYER_KEYS = {
@@ -86,7 +97,7 @@ def _rope_fields(cfg: dict) -> tuple[float, dict | None]:
 
 
 def model_config_from_hf(cfg: dict, context_length: int | None = None) -> ModelConfig:
-    """The :class:`ModelConfig` of an HF ``LlamaForCausalLM``/``MistralForCausalLM`` config dict.
+    """The :class:`ModelConfig` of an HF config dict of one of :data:`MODEL_TYPES`.
 
     ``context_length`` defaults to ``max_position_embeddings`` (a Mistral sliding window shorter than that caps
     it: within the window, windowed attention is plain causal attention). Anything the model cannot represent
@@ -99,23 +110,28 @@ def model_config_from_hf(cfg: dict, context_length: int | None = None) -> ModelC
     unsupported = [a for a in archs if a not in ARCHITECTURES]
     if unsupported:
         raise ValueError(f"architectures {unsupported} not supported (supported: {', '.join(ARCHITECTURES)})")
-    act = cfg.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):  # transformers maps "swish" to SiLU as well
+    gemma = model_type == "gemma"
+    act = cfg.get("hidden_act", "gelu_pytorch_tanh" if gemma else "silu")
+    if gemma and act != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_act {act!r} is not supported for gemma: its GeGLU FFN uses gelu_pytorch_tanh")
+    if not gemma and act not in ("silu", "swish"):  # transformers maps "swish" to SiLU as well
         raise ValueError(f"hidden_act {act!r} is not supported: the SwiGLU FFN uses silu")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention=true is not supported (a causal LM)")
     for field in ("attention_bias", "mlp_bias"):
         if cfg.get(field):
-            raise ValueError(f"{field}=true is not supported: TransformerLM has no biases")
+            raise ValueError(f"{field}=true is not supported: TransformerLM has no output-projection or MLP biases")
     for field in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
         if field not in cfg:
             raise ValueError(f"config.json lacks {field}")
     d_model, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim")
-    if head_dim is not None and head_dim * heads != d_model:
-        raise ValueError(f"head_dim={head_dim} is not hidden_size / num_attention_heads = {d_model / heads:g}: "
-                         "TransformerLM needs d_model = heads x head_dim")
     theta, scaling = _rope_fields(cfg)
     max_positions = cfg.get("max_position_embeddings", 2048)
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    qwen = model_type in _QWEN
+    if qwen and (cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or [])):
+        raise ValueError("use_sliding_window=true is not supported for Qwen models (per-layer windows)")
+    window = None if qwen else cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
     limit = min(max_positions, window) if window else max_positions
     if window and window < max_positions and (context_length is None or context_length > window):
         logger.info("sliding_window=%d < max_position_embeddings=%d: context capped at the window, where "
@@ -130,49 +146,112 @@ def model_config_from_hf(cfg: dict, context_length: int | None = None) -> ModelC
         vocab_size=cfg["vocab_size"], context_length=int(context_length), d_model=d_model,
         num_layers=cfg["num_hidden_layers"], num_heads=heads, d_ff=cfg["intermediate_size"], rope_theta=theta,
         num_kv_heads=None if kv_heads == heads else kv_heads, norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), rope_scaling=scaling, **_moe_fields(cfg))
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), rope_scaling=scaling,
+        head_dim=None if head_dim is None or head_dim * heads == d_model else int(head_dim),
+        qkv_bias=bool(cfg.get("qkv_bias", True)) if model_type in ("qwen2", "qwen2_moe") else False,
+        qk_norm="head" if model_type in ("qwen3", "qwen3_moe") else None, **_moe_fields(cfg),
+        # Gemma: GeGLU, RMSNorm x̂·(1 + w), embeddings times sqrt(hidden_size)
+        **(dict(ffn="geglu", norm_offset=True, embedding_scale=float(d_model) ** 0.5) if gemma else {}))
 
 
 def _moe_fields(cfg: dict) -> dict:
-    """The mixture-of-experts fields of a Mixtral config (every layer routes to ``num_experts_per_tok`` of
-    ``num_local_experts`` experts, probabilities renormalised); nothing for dense model types."""
-    if cfg.get("model_type") != "mixtral":
+    """The mixture-of-experts fields: Mixtral (every layer routes to ``num_experts_per_tok`` of ``num_local_experts``
+    experts, renormalised), Qwen2/3-MoE (``moe_intermediate_size`` experts, ``norm_topk_prob``, dense layers from
+    ``mlp_only_layers`` / ``decoder_sparse_step``, Qwen2-MoE's shared expert); nothing for dense model types."""
+    kind = cfg.get("model_type")
+    if kind not in ("mixtral", "qwen2_moe", "qwen3_moe"):
         return {}
     if cfg.get("router_jitter_noise"):
         raise ValueError(f"router_jitter_noise={cfg['router_jitter_noise']} is not supported (training-time noise "
                          "on the router input)")
-    return dict(num_experts=int(cfg.get("num_local_experts", cfg.get("num_experts", 8))),
-                experts_per_token=int(cfg.get("num_experts_per_tok", 2)), moe_d_ff=int(cfg["intermediate_size"]),
-                norm_topk_prob=True, router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.001)))
+    coef = float(cfg.get("router_aux_loss_coef", 0.001))
+    if kind == "mixtral":
+        return dict(num_experts=int(cfg.get("num_local_experts", cfg.get("num_experts", 8))),
+                    experts_per_token=int(cfg.get("num_experts_per_tok", 2)), moe_d_ff=int(cfg["intermediate_size"]),
+                    norm_topk_prob=True, router_aux_loss_coef=coef)
+    layers, step = cfg["num_hidden_layers"], int(cfg.get("decoder_sparse_step", 1))
+    dense = set(cfg.get("mlp_only_layers") or [])
+    moe_layers = tuple(i for i in range(layers) if i not in dense and step > 0 and (i + 1) % step == 0)
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if kind == "qwen2_moe" else 0
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # (transformers 5 saves the attribute_map name)
+    if experts is None:
+        raise ValueError(f"config.json of a {kind} model lacks num_experts")
+    return dict(num_experts=int(experts), experts_per_token=int(cfg["num_experts_per_tok"]),
+                moe_d_ff=int(cfg["moe_intermediate_size"]), norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                router_aux_loss_coef=coef, shared_expert_d_ff=shared or None,
+                moe_layers=None if len(moe_layers) == layers else moe_layers)
+
+
+def hf_model_type(cfg: ModelConfig) -> str:
+    """The HF family that represents a model: Qwen3 (q/k norms), Qwen2 (q/k/v biases; MoE: Qwen2-MoE, which also
+    holds a shared expert), Mixtral (MoE on every layer, renormalised top-k), else Llama; a ``ValueError`` naming
+    what no family holds."""
+    if (cfg.norm, cfg.position, cfg.norm_position) != ("rmsnorm", "rope", "pre"):
+        raise ValueError("only the Llama layout (pre-norm RMSNorm, RoPE) has an HF equivalent; "
+                         f"this model has norm={cfg.norm!r}, position={cfg.position!r}, "
+                         f"norm_position={cfg.norm_position!r}")
+    moe = bool(cfg.num_experts)
+    gemma = (cfg.ffn == "geglu", cfg.norm_offset, cfg.embedding_scale is not None)
+    if any(gemma):
+        if not all(gemma) or abs(cfg.embedding_scale - cfg.d_model ** 0.5) > 1e-6 * cfg.d_model ** 0.5 or moe \
+                or cfg.qk_norm or cfg.qkv_bias:
+            raise ValueError("GeGLU, RMSNorm (1 + w) and an embedding scale map to Gemma, which has all three (the "
+                             "scale sqrt(d_model)) and no experts, q/k norms or biases; this model has ffn="
+                             f"{cfg.ffn!r}, norm_offset={cfg.norm_offset!r}, embedding_scale={cfg.embedding_scale!r}")
+        return "gemma"
+    if cfg.ffn != "swiglu":
+        raise ValueError(f"ffn={cfg.ffn!r} has no HF equivalent here (SwiGLU, or Gemma's GeGLU)")
+    if cfg.qk_norm:
+        if cfg.qkv_bias or cfg.shared_expert_d_ff:
+            raise ValueError("q/k norms with q/k/v biases or a shared expert have no HF family (Qwen3 has neither)")
+        return "qwen3_moe" if moe else "qwen3"
+    if cfg.qkv_bias or cfg.shared_expert_d_ff:
+        if moe and not cfg.shared_expert_d_ff:
+            raise ValueError("an MoE model with q/k/v biases maps to Qwen2-MoE, which needs a shared expert "
+                             "(shared_expert_d_ff)")
+        if not moe and not cfg.qkv_bias:
+            raise ValueError("shared_expert_d_ff needs num_experts")
+        return "qwen2_moe" if moe else "qwen2"
+    if moe:
+        if cfg.moe_layers is not None or not cfg.norm_topk_prob:
+            raise ValueError("only Mixtral's MoE layout (every layer MoE, no shared expert, renormalised top-k) has "
+                             f"an HF equivalent without q/k norms or biases; this model has moe_layers="
+                             f"{cfg.moe_layers!r}, norm_topk_prob={cfg.norm_topk_prob!r}")
+        return "mixtral"
+    return "llama"
 
 
 def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype, extra: dict | None = None) -> dict:
-    """An HF ``LlamaForCausalLM`` config dict for a model, in transformers 4.x keys (5.x reads them too)."""
-    if (cfg.norm, cfg.ffn, cfg.position, cfg.norm_position) != ("rmsnorm", "swiglu", "rope", "pre"):
-        raise ValueError("only the Llama layout (pre-norm RMSNorm, SwiGLU, RoPE) has an HF Llama equivalent; "
-                         f"this model has norm={cfg.norm!r}, ffn={cfg.ffn!r}, position={cfg.position!r}, "
-                         f"norm_position={cfg.norm_position!r}")
+    """The HF config dict of a model (its family from :func:`hf_model_type`), in transformers 4.x keys (5.x reads
+    them too)."""
+    kind = hf_model_type(cfg)
     out = {k: v for k, v in (extra or {}).items() if k in PASSTHROUGH_FIELDS}
-    if cfg.num_experts:
-        if cfg.moe_layers is not None or cfg.shared_expert_d_ff or not cfg.norm_topk_prob:
-            raise ValueError("only Mixtral's MoE layout (every layer MoE, no shared expert, renormalised top-k) has "
-                             f"an HF equivalent here; this model has moe_layers={cfg.moe_layers!r}, "
-                             f"shared_expert_d_ff={cfg.shared_expert_d_ff!r}, norm_topk_prob={cfg.norm_topk_prob!r}")
-        out.update({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-                    "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.experts_per_token,
-                    "router_aux_loss_coef": cfg.router_aux_loss_coef, "router_jitter_noise": 0.0,
-                    "output_router_logits": False, "sliding_window": None})
     out.update({
-        "architectures": out.get("architectures", ["LlamaForCausalLM"]), "model_type": out.get("model_type", "llama"),
-        "hidden_act": "silu",
-        "hidden_size": cfg.d_model, "intermediate_size": cfg.expert_d_ff if cfg.num_experts else cfg.d_ff,
-        "num_attention_heads": cfg.num_heads,
+        "architectures": [FAMILIES[kind]], "model_type": kind,
+        "hidden_act": "gelu_pytorch_tanh" if kind == "gemma" else "silu",
+        "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.kv_heads, "num_hidden_layers": cfg.num_layers, "head_dim": cfg.d_head,
         "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.context_length, "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling, "tie_word_embeddings": cfg.tie_embeddings,
         "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
         "torch_dtype": str(dtype).removeprefix("torch."),
     })
+    if kind in _QWEN:
+        out["use_sliding_window"] = False
+    if kind == "qwen2_moe":
+        out["qkv_bias"] = cfg.qkv_bias
+    if kind == "mixtral":
+        out.update({"intermediate_size": cfg.expert_d_ff, "num_local_experts": cfg.num_experts,
+                    "num_experts_per_tok": cfg.experts_per_token, "router_aux_loss_coef": cfg.router_aux_loss_coef,
+                    "router_jitter_noise": 0.0, "output_router_logits": False, "sliding_window": None})
+    elif kind in ("qwen2_moe", "qwen3_moe"):
+        out.update({"num_experts": cfg.num_experts, "num_experts_per_tok": cfg.experts_per_token,
+                    "moe_intermediate_size": cfg.expert_d_ff, "norm_topk_prob": cfg.norm_topk_prob,
+                    "router_aux_loss_coef": cfg.router_aux_loss_coef, "output_router_logits": False,
+                    "decoder_sparse_step": 1,
+                    "mlp_only_layers": [i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)]})
+        if kind == "qwen2_moe":
+            out["shared_expert_intermediate_size"] = cfg.shared_expert_d_ff
     return out
 
 
@@ -218,6 +297,34 @@ def read_hf_state(path) -> dict[str, torch.Tensor]:
     return state
 
 
+def _layer_keys(cfg: ModelConfig, i: int) -> dict[str, str]:
+    """Ours -> HF names inside layer ``i`` besides an MoE layer's router and experts: attention (+ Qwen2's q/k/v
+    biases, Qwen3's q/k norms), the norms, a dense FFN or Qwen2-MoE's shared expert and its gate."""
+    keys = {k: v for k, v in LAYER_KEYS.items() if not (cfg.is_moe_layer(i) and k.startswith("ffn."))}
+    if cfg.qkv_bias:
+        keys.update({f"attn.{p}_proj.bias": f"self_attn.{p}_proj.bias" for p in ("q", "k", "v")})
+    if cfg.qk_norm:
+        keys.update({f"attn.{p}_norm.weight": f"self_attn.{p}_norm.weight" for p in ("q", "k")})
+    if cfg.is_moe_layer(i) and cfg.shared_expert_d_ff:
+        keys.update({"ffn.shared_expert.w1.weight": "mlp.shared_expert.gate_proj.weight",
+                     "ffn.shared_expert.w2.weight": "mlp.shared_expert.down_proj.weight",
+                     "ffn.shared_expert.w3.weight": "mlp.shared_expert.up_proj.weight",
+                     "ffn.shared_expert_gate.weight": "mlp.shared_expert_gate.weight"})
+    return keys
+
+
+def _rope_rows(ours: str, tensor: torch.Tensor, cfg: ModelConfig, order: torch.Tensor) -> torch.Tensor:
+    """The rows that meet RoPE (q and k projections and biases, each head's q/k norm weights) in ``order``; other
+    tensors as they are."""
+    if ".attn.q_proj." in ours:
+        return _permute_heads(tensor, cfg.num_heads, order)
+    if ".attn.k_proj." in ours:
+        return _permute_heads(tensor, cfg.kv_heads, order)
+    if ours.endswith(("attn.q_norm.weight", "attn.k_norm.weight")):
+        return tensor[order]
+    return tensor
+
+
 def state_from_hf(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """HF tensors -> this library's ``state_dict`` (q/k rows permuted to interleaved RoPE pairs)."""
     hf_state = {k: v for k, v in hf_state.items() if not k.endswith("rotary_emb.inv_freq")}  # old files carry it
@@ -225,22 +332,15 @@ def state_from_hf(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
     state, used = {}, set()
     names = dict(TOP_KEYS)
     for i in range(cfg.num_layers):
-        moe = cfg.is_moe_layer(i)
-        names.update({f"layers.{i}.{ours}": f"model.layers.{i}.{theirs}" for ours, theirs in LAYER_KEYS.items()
-                      if not (moe and ours.startswith("ffn."))})
-        if moe:
+        names.update({f"layers.{i}.{ours}": f"model.layers.{i}.{theirs}" for ours, theirs in _layer_keys(cfg, i).items()})
+        if cfg.is_moe_layer(i):
             state.update(_experts_from_hf(hf_state, f"model.layers.{i}", cfg, used, f"layers.{i}.ffn"))
     if cfg.tie_embeddings and "lm_head.weight" not in hf_state:
         names["lm_head.weight"] = "model.embed_tokens.weight"
     for ours, theirs in names.items():
         if theirs not in hf_state:
             raise ValueError(f"checkpoint lacks {theirs}")
-        tensor = hf_state[theirs]
-        if ours.endswith("attn.q_proj.weight"):
-            tensor = _permute_heads(tensor, cfg.num_heads, order)
-        elif ours.endswith("attn.k_proj.weight"):
-            tensor = _permute_heads(tensor, cfg.kv_heads, order)
-        state[ours] = tensor
+        state[ours] = _rope_rows(ours, hf_state[theirs], cfg, order)
         used.add(theirs)
     extra = sorted(set(hf_state) - used)
     if extra:
@@ -285,24 +385,21 @@ def state_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
         if ours == "lm_head.weight" and cfg.tie_embeddings:
             continue
         out[theirs] = state[ours]
+    mixtral = cfg.num_experts and hf_model_type(cfg) == "mixtral"
     for i in range(cfg.num_layers):
-        if cfg.is_moe_layer(i):  # Mixtral's per-expert names (transformers 4.x and the Hub; 5.x converts them)
-            block, d_ff = f"model.layers.{i}.block_sparse_moe", cfg.expert_d_ff
+        if cfg.is_moe_layer(i):  # per-expert names (the Hub and transformers 4.x; 5.x converts them on load)
+            block = f"model.layers.{i}.{'block_sparse_moe' if mixtral else 'mlp'}"
+            gate_name, up_name, down_name = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
             out[f"{block}.gate.weight"] = state[f"layers.{i}.ffn.router.weight"]
             gate_up, down = state[f"layers.{i}.ffn.experts.gate_up_proj"], state[f"layers.{i}.ffn.experts.down_proj"]
+            d_ff = cfg.expert_d_ff
             for j in range(cfg.num_experts):
-                out[f"{block}.experts.{j}.w1.weight"] = gate_up[j, :d_ff]
-                out[f"{block}.experts.{j}.w3.weight"] = gate_up[j, d_ff:]
-                out[f"{block}.experts.{j}.w2.weight"] = down[j]
-        for ours, theirs in LAYER_KEYS.items():
-            if cfg.is_moe_layer(i) and ours.startswith("ffn."):
-                continue
-            tensor = state[f"layers.{i}.{ours}"]
-            if ours == "attn.q_proj.weight":
-                tensor = _permute_heads(tensor, cfg.num_heads, inverse)
-            elif ours == "attn.k_proj.weight":
-                tensor = _permute_heads(tensor, cfg.kv_heads, inverse)
-            out[f"model.layers.{i}.{theirs}"] = tensor
+                out[f"{block}.experts.{j}.{gate_name}.weight"] = gate_up[j, :d_ff]
+                out[f"{block}.experts.{j}.{up_name}.weight"] = gate_up[j, d_ff:]
+                out[f"{block}.experts.{j}.{down_name}.weight"] = down[j]
+        for ours, theirs in _layer_keys(cfg, i).items():
+            out[f"model.layers.{i}.{theirs}"] = _rope_rows(f"layers.{i}.{ours}", state[f"layers.{i}.{ours}"], cfg,
+                                                           inverse)
     return {k: v.detach().contiguous() for k, v in out.items()}
 
 
@@ -334,7 +431,7 @@ def _requested_dtype(dtype) -> torch.dtype | None:
 
 
 def from_pretrained(path, backend: str = "auto", device=None, dtype=None, *, context_length: int | None = None):
-    """A :class:`~tritonlm.modules.TransformerLM` holding a local HF ``LlamaForCausalLM``/``MistralForCausalLM``.
+    """A :class:`~tritonlm.modules.TransformerLM` holding a local HF checkpoint of one of :data:`FAMILIES`.
 
     ``path``: a directory with ``config.json`` and ``*.safetensors`` (sharded with ``model.safetensors.index.json``
     too). ``dtype``: None or "auto" = the checkpoint's (``torch_dtype``/``dtype`` in config.json), else a torch
@@ -358,7 +455,7 @@ def from_pretrained(path, backend: str = "auto", device=None, dtype=None, *, con
 
 
 def save_pretrained(model, directory, *, dtype: torch.dtype | None = None) -> Path:
-    """Write ``model`` as an HF ``LlamaForCausalLM`` directory (``config.json`` + ``model.safetensors``) that
+    """Write ``model`` as an HF directory of its family (:func:`hf_model_type`: ``config.json`` + ``model.safetensors``) that
     ``transformers.AutoModelForCausalLM.from_pretrained`` loads. ``dtype`` converts the weights (default: as they
     are). Returns the directory."""
     _require("safetensors")

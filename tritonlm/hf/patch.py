@@ -1,5 +1,5 @@
-"""``apply_kernels``: run a Hugging Face Llama/Mistral/Mixtral/Qwen3-MoE model instance through tritonlm's kernels,
-in place.
+"""``apply_kernels``: run a Hugging Face model instance (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen2-MoE,
+Qwen3-MoE) through tritonlm's kernels, in place.
 
 What each switch replaces (every patch is an instance-level ``forward``, so parameters, ``state_dict``, the class
 and ``save_pretrained`` are untouched, and :func:`remove_kernels` undoes it):
@@ -29,7 +29,7 @@ from types import MethodType
 import torch
 import torch.nn.functional as F
 
-MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen3_moe")
+MODEL_TYPES = ("llama", "mistral", "mixtral", "gemma", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 #: transformers' activation names -> the MoE kernel's
 _MOE_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 ATTENTION_NAME = "tritonlm"
@@ -51,9 +51,19 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return _kernels().rms_norm(hidden_states, self.weight, self.variance_epsilon, cast_xhat=True)
 
 
+def _offset_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Gemma's RMSNorm: ``(x̂ · (1 + w)).to(x.dtype)``, everything in fp32 (no rounding before the weight)."""
+    return _kernels().rms_norm(hidden_states, self.weight, self.eps, weight_offset=1.0)
+
+
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     # the projections' outputs feed only the gate: its backward may overwrite them
     return self.down_proj(_kernels().swiglu_gate(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
+
+
+def _geglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return self.down_proj(_kernels().geglu_gate(self.gate_proj(x), self.up_proj(x), approximate="tanh",
+                                                inplace_backward=True))
 
 
 def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -380,7 +390,7 @@ def _register_experts() -> None:
 
 def apply_kernels(model, rms_norm: bool = True, rope: bool = True, swiglu: bool = True, attention: bool = True,
                   loss: bool = True, moe: bool = True):
-    """Patch a Hugging Face Llama/Mistral/Mixtral/Qwen3-MoE model instance (``*ForCausalLM`` or the bare
+    """Patch a Hugging Face model instance of one of :data:`MODEL_TYPES` (``*ForCausalLM`` or the bare
     ``*Model``) in place with tritonlm's kernels and return it. See the module docstring for what each switch replaces;
     :func:`remove_kernels` restores the model. The kernels need CUDA tensors (or ``TRITON_INTERPRET=1``).
 
@@ -391,8 +401,10 @@ def apply_kernels(model, rms_norm: bool = True, rope: bool = True, swiglu: bool 
     model_type = getattr(config, "model_type", None)
     if model_type not in MODEL_TYPES:
         raise ValueError(f"apply_kernels supports {', '.join(MODEL_TYPES)} models, got model_type={model_type!r}")
-    if swiglu and getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
-        raise ValueError(f"swiglu=True needs hidden_act='silu', got {config.hidden_act!r}")
+    act = getattr(config, "hidden_act", "silu")
+    if swiglu and act not in ("silu", "swish", "gelu_pytorch_tanh"):
+        raise ValueError(f"swiglu=True needs hidden_act 'silu' (SwiGLU) or 'gelu_pytorch_tanh' (GeGLU), got {act!r}")
+    mlp_forward = _geglu_mlp_forward if act == "gelu_pytorch_tanh" else _mlp_forward
     if loss and not hasattr(model, "lm_head"):
         raise ValueError("loss=True needs a *ForCausalLM model (with lm_head); pass loss=False for a bare model")
     # stage 1: find every module to patch and check it (nothing is changed yet)
@@ -401,8 +413,10 @@ def apply_kernels(model, rms_norm: bool = True, rope: bool = True, swiglu: bool 
         name = type(module).__name__
         if rms_norm and name.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
             plan.append((module, _rms_norm_forward, "rms_norm"))
+        elif rms_norm and model_type == "gemma" and name == "GemmaRMSNorm":
+            plan.append((module, _offset_rms_norm_forward, "rms_norm"))
         elif swiglu and name.endswith("MLP") and all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj")):
-            plan.append((module, _mlp_forward, "swiglu"))
+            plan.append((module, mlp_forward, "swiglu"))
         elif moe and name.endswith("Experts") and hasattr(module, "down_proj"):
             if not _stacked_experts(module):
                 raise NotImplementedError(f"moe=True: {name} does not hold its experts stacked (gate_up_proj [E, 2I, "

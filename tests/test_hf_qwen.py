@@ -1,0 +1,171 @@
+"""Gemma, Qwen2, Qwen3, Qwen2-MoE and Qwen3-MoE checkpoints against transformers' own models, on tiny random
+configs: GeGLU, RMSNorm (1 + w), scaled embeddings, q/k/v biases, per-head q/k norms, an explicit head_dim, dense
+layers among MoE ones, a gated shared expert.
+Logits, the loss (with the load-balancing term for MoE) and every gradient; the save/load round trip.
+
+Needs the optional extra (``pip install 'tritonlm[hf]'``); skipped with that reason when it is absent.
+"""
+
+import pytest
+import torch
+
+from tritonlm import ModelConfig, TransformerLM
+
+from helpers import DEVICE, hf_round_trip
+
+BASE = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+            vocab_size=120, max_position_embeddings=64, rms_norm_eps=1e-6, router_aux_loss_coef=0.02)
+FAMILIES = {
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),  # heads x head_dim (64) != hidden (32)
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                       shared_expert_intermediate_size=40, norm_topk_prob=True, mlp_only_layers=[2])),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(head_dim=16, num_experts=5, num_experts_per_tok=2, moe_intermediate_size=24,
+                       norm_topk_prob=False, mlp_only_layers=[1])),
+}
+
+
+def _transformers():
+    pytest.importorskip("safetensors", reason="the optional extra tritonlm[hf] (safetensors) is not installed")
+    return pytest.importorskip("transformers", reason="the optional extra tritonlm[hf] (transformers) is not installed")
+
+
+def _model(kind, seed=0):
+    transformers = _transformers()
+    config_class, model_class, extra = FAMILIES[kind]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, config_class)(**{k: v for k, v in BASE.items() if kind.endswith("moe")
+                                                 or k != "router_aux_loss_coef"}, **extra)
+    model = getattr(transformers, model_class)(cfg)
+    with torch.no_grad():  # biases and norm weights start at 0 / 1: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.3)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
+            elif kind == "gemma" and name.endswith("norm.weight"):  # Gemma's (1 + w) norms start at w = 0
+                p.uniform_(-0.5, 0.5)
+    return model.to(DEVICE).eval()
+
+
+def _hf_grads(model: TransformerLM) -> dict:
+    """Our gradients under transformers' in-memory names (experts stacked as transformers 5 holds them)."""
+    from tritonlm.hf.checkpoint import state_to_hf
+
+    grads = state_to_hf({n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}, model.config)
+    cfg = model.config
+    for i in range(cfg.num_layers):
+        if not cfg.is_moe_layer(i):
+            continue
+        block = f"model.layers.{i}.mlp.experts"
+        experts = [[grads.pop(f"{block}.{j}.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj")]
+                   for j in range(cfg.num_experts)]
+        grads[f"{block}.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u, _ in experts])
+        grads[f"{block}.down_proj"] = torch.stack([d for _, _, d in experts])
+    return grads
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_from_pretrained_matches_transformers(kind, backend, tmp_path):
+    from tritonlm import hf
+
+    theirs = _model(kind)
+    theirs.save_pretrained(tmp_path)
+    ours = hf.from_pretrained(tmp_path, backend=backend, device=DEVICE, dtype=torch.float32)
+    cfg = ours.config
+    assert cfg.qkv_bias == kind.startswith("qwen2") and (cfg.qk_norm == "head") == kind.startswith("qwen3")
+    assert cfg.d_head == (8 if kind.startswith("qwen2") else 16)
+    assert (cfg.ffn == "geglu") == cfg.norm_offset == (cfg.embedding_scale is not None) == (kind == "gemma")
+    ids = torch.randint(0, 120, (2, 21), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    moe = kind.endswith("moe")
+    expected = theirs(ids, labels=ids, **({"output_router_logits": True} if moe else {}))
+    torch.testing.assert_close(ours(ids), expected.logits, atol=2e-5, rtol=1e-4)
+    targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)  # transformers' shifted labels
+    ours.train()
+    loss = ours.loss(ids, targets)  # MoE: + coef x load-balancing loss, as transformers adds it
+    torch.testing.assert_close(loss, expected.loss, atol=2e-5, rtol=1e-5)
+    expected.loss.backward()
+    loss.backward()
+    grads = _hf_grads(ours)
+    for name, p in theirs.named_parameters():
+        if p.grad is None:
+            continue
+        torch.testing.assert_close(grads[name], p.grad, atol=2e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_save_pretrained_round_trip(kind, tmp_path):
+    _transformers()
+    from tritonlm import hf
+
+    hf_dir = tmp_path / "theirs"
+    _model(kind, seed=2).save_pretrained(hf_dir)
+    ours = hf.from_pretrained(hf_dir, backend="reference", dtype=torch.float32, device=DEVICE)
+    theirs = hf_round_trip(ours, tmp_path / "ours", FAMILIES[kind][1])
+    assert theirs.config.model_type == kind
+
+
+def test_qwen_options_without_a_family_are_refused(tmp_path):
+    _transformers()
+    from tritonlm import hf
+
+    cfg = ModelConfig(vocab_size=50, context_length=16, d_model=32, num_layers=1, num_heads=4, d_ff=48,
+                      qk_norm="head", qkv_bias=True)
+    with pytest.raises(ValueError, match="no HF family"):
+        hf.save_pretrained(TransformerLM(cfg), tmp_path)
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        hf.model_config_from_hf({"model_type": "qwen2", **BASE, "use_sliding_window": True})
+
+
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_apply_kernels_matches_unpatched(kind):
+    """Every norm (q/k norms too), RoPE, gate, experts, attention and the loss patched: logits on a left-padded
+    batch, the loss (MoE: with output_router_logits) and every gradient equal the unpatched model's (fp32)."""
+    import copy
+
+    from tritonlm import hf
+
+    base = _model(kind, seed=5)
+    patched = hf.apply_kernels(copy.deepcopy(base))
+    tags = {getattr(m, "_tritonlm_patch", None) for m in patched.modules()}
+    assert {"rms_norm", "rope", "loss"} <= tags and ("moe" in tags) == kind.endswith("moe")
+    assert all(m._tritonlm_patch == "rms_norm" for m in patched.modules() if type(m).__name__.endswith("RMSNorm"))
+    ids = torch.randint(0, 120, (2, 15), generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    batch = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    if kind.endswith("moe"):
+        batch["output_router_logits"] = True
+    with torch.no_grad():
+        got, expected = patched(ids, attention_mask=mask).logits, base(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[mask.bool()], expected[mask.bool()], atol=3e-5, rtol=1e-4)
+    results = []
+    for model in (patched, base):
+        model.train()
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        results.append((loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (loss, grads), (loss_ref, grads_ref) = results
+    torch.testing.assert_close(loss, loss_ref, atol=3e-5, rtol=1e-4)
+    assert set(grads) == set(grads_ref)
+    for name in grads_ref:
+        torch.testing.assert_close(grads[name], grads_ref[name], atol=3e-5, rtol=1e-4, msg=name)
+
+
+def test_readme_supported_models_table_matches_the_code():
+    """README's "Supported models" table is the code's own (tritonlm.hf.SUPPORTED_MODELS), row for row."""
+    from pathlib import Path
+
+    from tritonlm.hf import SUPPORTED_MODELS
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("### Supported models", 1)[1].split("\n\n", 2)[1]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()[2:]]
+    yes = {True: "yes", False: "no"}
+    expected = [[kind, yes[v["from_pretrained"]], yes[v["apply_kernels"]], v["tokenizer"]]
+                for kind, v in SUPPORTED_MODELS.items()]
+    assert rows == expected
