@@ -77,10 +77,11 @@ def _normalised(x, rstd, Y, CAST_XHAT: tl.constexpr):
 @triton.jit
 def _rms_norm_fwd_kernel(
     X, RES, H, W, Y, RSTD,
-    stride_x_row, stride_res_row, stride_y_row, n_rows, n_cols, eps, w_offset,
+    stride_x_row, stride_res_row, stride_y_row, n_rows, n_cols, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_IN_REGISTERS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    CAST_XHAT: tl.constexpr,
+    CAST_XHAT: tl.constexpr, W_OFFSET: tl.constexpr,
 ):
+    # W_OFFSET (Gemma: 1.0): the row scales by W_OFFSET + weight; a constexpr, so 0 adds no instruction
     # ---- which rows: BLOCK_M consecutive rows per program (Y and H are contiguous: row stride stride_y_row)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < n_rows
@@ -94,7 +95,7 @@ def _rms_norm_fwd_kernel(
         # ---- load: the whole row stays in registers (h = x + residual is formed and stored here)
         mask = row_mask[:, None] & (cols[None, :] < n_cols)
         x = _load_input(X, RES, H, x_rows, res_rows, h_rows, cols[None, :], mask, True, HAS_RESIDUAL)
-        w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + w_offset
+        w = _offset(tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32), W_OFFSET)
         # ---- compute
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
         y = _normalised(x, rstd, Y, CAST_XHAT) * w[None, :]
@@ -113,7 +114,7 @@ def _rms_norm_fwd_kernel(
             col_mask = start + cols < n_cols
             mask = row_mask[:, None] & col_mask[None, :]
             x = _load_input(X, RES, H, x_rows, res_rows, h_rows, start + cols[None, :], mask, False, HAS_RESIDUAL)
-            w = tl.load(W + start + cols, mask=col_mask, other=0.0).to(tl.float32) + w_offset
+            w = _offset(tl.load(W + start + cols, mask=col_mask, other=0.0).to(tl.float32), W_OFFSET)
             y = _normalised(x, rstd, Y, CAST_XHAT) * w[None, :]
             tl.store(y_rows + start + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
@@ -121,22 +122,31 @@ def _rms_norm_fwd_kernel(
 
 
 @triton.jit
-def _load_bwd_chunk(X, DY, W, rows64, row_mask, start, cols, n_cols, stride_x_row, stride_dy_row, w_offset):
+def _offset(w, W_OFFSET: tl.constexpr):
+    """``W_OFFSET + w`` (Gemma's ``1 + w``); nothing at all for the usual 0."""
+    if W_OFFSET != 0.0:
+        w = w + W_OFFSET
+    return w
+
+
+@triton.jit
+def _load_bwd_chunk(X, DY, W, rows64, row_mask, start, cols, n_cols, stride_x_row, stride_dy_row,
+                    W_OFFSET: tl.constexpr):
     """x, dy (fp32, ``[BLOCK_M, BLOCK_N]``) and w (``[BLOCK_N]``) for the columns ``start + cols``, with masks."""
     col_mask = start + cols < n_cols
     mask = row_mask[:, None] & col_mask[None, :]
     x = tl.load(X + rows64 * stride_x_row + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(DY + rows64 * stride_dy_row + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(W + start + cols, mask=col_mask, other=0.0).to(tl.float32) + w_offset
+    w = _offset(tl.load(W + start + cols, mask=col_mask, other=0.0).to(tl.float32), W_OFFSET)
     return x, dy, w, mask, col_mask
 
 
 @triton.jit
 def _rms_norm_bwd_kernel(
     DY, X, W, RSTD, DX, DW_PARTIAL, DH,
-    stride_dy_row, stride_x_row, stride_dx_row, stride_dh_row, n_rows, n_cols, blocks_per_program, w_offset,
+    stride_dy_row, stride_x_row, stride_dx_row, stride_dh_row, n_rows, n_cols, blocks_per_program,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_IN_REGISTERS: tl.constexpr, HAS_DH: tl.constexpr,
-    CAST_XHAT: tl.constexpr,
+    CAST_XHAT: tl.constexpr, W_OFFSET: tl.constexpr,
 ):
     # HAS_DH (add_rms_norm): X holds h = x + residual, and dL/dh from h's other uses is added to dx
     # Grid-stride loop: program p handles row blocks p, p + P, p + 2P, ... and owns row p of DW_PARTIAL.
@@ -147,7 +157,7 @@ def _rms_norm_bwd_kernel(
 
     if ROW_IN_REGISTERS:
         col_mask = cols < n_cols
-        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + w_offset
+        w = _offset(tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32), W_OFFSET)
         dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for i in range(0, blocks_per_program):
             rows = (pid + i * n_programs) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -181,13 +191,13 @@ def _rms_norm_bwd_kernel(
             gx_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_N):
                 x, dy, w, mask, col_mask = _load_bwd_chunk(X, DY, W, rows64, row_mask, start, cols, n_cols,
-                                                           stride_x_row, stride_dy_row, w_offset)
+                                                           stride_x_row, stride_dy_row, W_OFFSET)
                 gx_acc += dy * w[None, :] * x
             mean_gx = tl.sum(gx_acc, axis=1) * rstd / n_cols
             # ---- pass 2: dx, and dweight into this program's partial row
             for start in range(0, n_cols, BLOCK_N):
                 x, dy, w, mask, col_mask = _load_bwd_chunk(X, DY, W, rows64, row_mask, start, cols, n_cols,
-                                                           stride_x_row, stride_dy_row, w_offset)
+                                                           stride_x_row, stride_dy_row, W_OFFSET)
                 xhat = x * rstd[:, None]
                 dx = (dy * w[None, :] - xhat * mean_gx[:, None]) * rstd[:, None]
                 if HAS_DH:
@@ -275,8 +285,8 @@ def _launch_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torc
         grid = (triton.cdiv(n_rows, cfg["BLOCK_M"]),)
         _rms_norm_fwd_kernel[grid](x_rows, res_rows, h if h is not None else y, weight, y, rstd,
                                    x_rows.stride(0), res_rows.stride(0), n_cols, n_rows, n_cols, float(eps),
-                                   float(weight_offset),
-                                   HAS_RESIDUAL=residual is not None, CAST_XHAT=cast_xhat, **cfg)
+                                   HAS_RESIDUAL=residual is not None, CAST_XHAT=cast_xhat,
+                                   W_OFFSET=float(weight_offset), **cfg)
     return y, h, rstd
 
 
@@ -310,9 +320,8 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     if n_rows:
         _rms_norm_bwd_kernel[(n_programs,)](
             dy_rows, x_rows, weight, rstd, dx, dw_partial, dh_rows, dy_rows.stride(0), x_rows.stride(0), n_cols,
-            dh_rows.stride(0), n_rows, n_cols, triton.cdiv(n_blocks, n_programs), float(weight_offset),
-            HAS_DH=dh is not None,
-            CAST_XHAT=cast_xhat, **cfg)
+            dh_rows.stride(0), n_rows, n_cols, triton.cdiv(n_blocks, n_programs), HAS_DH=dh is not None,
+            CAST_XHAT=cast_xhat, W_OFFSET=float(weight_offset), **cfg)
     dweight = torch.empty(n_cols, dtype=weight.dtype, device=weight.device)
     sum_cfg = _column_sum_config(n_cols)
     _column_sum_kernel[(triton.cdiv(n_cols, sum_cfg["BLOCK_N"]),)](dw_partial, dweight, n_programs, n_cols, **sum_cfg)
