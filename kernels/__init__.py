@@ -29,12 +29,13 @@ from .attention import (  # noqa: E402
     flash_attention,
     flash_attn_func,
     flash_attn_varlen_func,
+    flash_attn_with_kvcache,
 )
 from .moe import MoEExpertsFunction, moe_experts  # noqa: E402
 # isort: on
 
 __all__ = [
-    "FlashAttention", "FlashAttentionTorch", "flash_attention", "flash_attn_func", "flash_attn_varlen_func", "rms_norm", "apply_rope", "rope_tables",
+    "FlashAttention", "FlashAttentionTorch", "flash_attention", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "rms_norm", "apply_rope", "rope_tables",
     "swiglu_gate", "geglu_gate", "add_rms_norm", "AddRMSNormFunction", "cross_entropy", "linear_cross_entropy", "RMSNormFunction", "RoPEFunction",
     "SwiGLUGateFunction", "CrossEntropyFunction", "LinearCrossEntropyFunction", "moe_experts", "MoEExpertsFunction",
     "INTERPRETING",

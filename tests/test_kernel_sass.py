@@ -39,7 +39,7 @@ def test_every_kernel_is_covered(rows):
                        "attention.bwd_dkdv_atomic_dq", "attention.tma_fwd", "attention.tma_bwd_dkdv",
                        "attention.tma_bwd_dq",
                        "attention.gqa_fwd", "attention.gqa_bwd_dkdv", "attention.varlen_fwd", "attention.window_fwd",
-                       "attention.decode_split", "attention.decode_combine",
+                       "attention.decode_split", "attention.decode_combine", "attention.paged_decode_split",
                        "moe.up", "moe.down", "moe.down_bwd", "moe.dx", "moe.dgate_up", "moe.ddown"}
     assert {r["arch"] for r in rows} == {"sm_90", "sm_80"}
 
@@ -81,7 +81,7 @@ def test_attention_uses_tensor_cores(rows):
         if r["kernel"].startswith("moe."):  # the grouped GEMMs: wgmma on sm_90, mma on sm_80
             key = "HGMMA" if r["arch"] == "sm_90" else "HMMA"
             assert r["sass"].get(key, 0) > 0 and r["sass"].get("LDGSTS", 0) > 0, r
-        if r["kernel"] == "attention.decode_split":  # 16-query tiles: mma (HMMA) on both targets
+        if r["kernel"] in ("attention.decode_split", "attention.paged_decode_split"):  # 16-query tiles: mma (HMMA)
             assert r["sass"].get("HMMA", 0) + r["sass"].get("HGMMA", 0) > 0, r
 
 

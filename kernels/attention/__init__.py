@@ -40,6 +40,7 @@ Function), :mod:`.interface` (flash-attn's signatures), :mod:`.torch_twin` (the 
 
 from . import registration  # noqa: F401  (registers the op: kernels/_registry.py)
 from .interface import flash_attn_func, flash_attn_varlen_func
+from .kvcache import flash_attn_with_kvcache
 from .launch import (
     FlashAttention,
     check_attention_inputs,
@@ -50,4 +51,5 @@ from .launch import (
 from .torch_twin import FlashAttentionTorch
 
 __all__ = ["FlashAttention", "FlashAttentionTorch", "flash_attention", "flash_attn_func", "flash_attn_varlen_func",
+           "flash_attn_with_kvcache",
            "flash_attention_forward", "flash_attention_backward", "check_attention_inputs"]

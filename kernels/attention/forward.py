@@ -27,9 +27,9 @@ from .tiles import (
 
 @triton.jit
 def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
-               key_start, key_end, n_k, shift, win_left, win_right, qk_scale,
+               key_start, key_end, n_k, shift, win_left, win_right, qk_scale, bt_row, page_size,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
-               EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGED: tl.constexpr):
     """Fold key tiles ``[key_start, key_end)`` into the running (acc, m_i, l_i)."""
     # the tile's first row advances by BLOCK_N rows per step (64-bit, one row of pointers); rows within a tile are
     # loop-invariant 32-bit offsets: no 64-bit multiply per row and no 2-D pointer tensor held across steps
@@ -38,7 +38,12 @@ def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, o
     # and spilled on sm_80 at d 128; the recomputation is a few integer ops the pipeliner hides.
     for start_n in range(key_start, key_end, BLOCK_N):
         keys = start_n + offs_n
-        k, v = _load_kv(k_ptrs + keys[:, None].to(tl.int64) * stride_kn, v_ptrs + keys[:, None].to(tl.int64) * stride_vn,
+        if PAGED:  # the tile lies in one block of the pool (page_size % BLOCK_N == 0): its rows via the table
+            block = tl.load(bt_row + start_n // page_size).to(tl.int64)
+            rows = block * page_size + (start_n % page_size) + offs_n
+        else:
+            rows = keys
+        k, v = _load_kv(k_ptrs + rows[:, None].to(tl.int64) * stride_kn, v_ptrs + rows[:, None].to(tl.int64) * stride_vn,
                         keys, n_k, d_mask, MASKED, EVEN_D)
         # ---- scores in log2 units (the scale multiplies the fp32 scores: folding it into Q once measured worse in
         # the SASS report, sm_90 d 128: 197 -> 235 registers, as Q then feeds the wgmma from registers)
@@ -64,19 +69,30 @@ def _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, CU_Q, CU_K,
+    Q, K, V, O, LSE, CU_Q, CU_K, SEQLEN_K, KV_BATCH, BLOCK_TABLE,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
-    n_heads, group, bh_start, n_q, n_k, d_head, qk_scale, win_left, win_right, split_size,
+    n_heads, group, bh_start, n_q, n_k, d_head, qk_scale, win_left, win_right, split_size, stride_bt, page_size,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, SPLIT_KV: tl.constexpr,
+    SEQUSED_K: tl.constexpr, PAGED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # EVEN_D: the head dim fills BLOCK_D, so whole K/V tiles load without a mask
     # SPLIT_KV (decoding): grid axis 0 is the key split, not the query tile; the one query tile holds every query
     # and the program writes an unnormalised partial result (acc / l, and its lse) for the combine kernel
+    # SEQUSED_K (a KV cache, flash_attn_with_kvcache): each sequence has its own key count SEQLEN_K[b] and its keys
+    # in cache row KV_BATCH[b]; PAGED: in blocks of page_size rows of one pool, listed by its BLOCK_TABLE row
     pid_bh = tl.program_id(1) + bh_start
     b, h, q_start, n_q, k_start, n_k = _sequence(pid_bh, n_heads, CU_Q, CU_K, n_q, n_k, VARLEN)
+    b_kv = b
+    if SEQUSED_K:
+        n_k = tl.load(SEQLEN_K + b)
+        if PAGED:
+            b_kv = b * 0
+        else:
+            b_kv = tl.load(KV_BATCH + b).to(tl.int64)
+    bt_row = BLOCK_TABLE + b * stride_bt
     if SPLIT_KV:
         start_m = 0
     else:
@@ -95,8 +111,8 @@ def _fwd_kernel(
     # ---- load the query tile once
     q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :], mask=q_mask,
                 other=0.0)
-    k_ptrs = K + b * stride_kb + h_kv * stride_kh + k_start * stride_kn + offs_d[None, :]
-    v_ptrs = V + b * stride_vb + h_kv * stride_vh + k_start * stride_vn + offs_d[None, :]
+    k_ptrs = K + b_kv * stride_kb + h_kv * stride_kh + k_start * stride_kn + offs_d[None, :]
+    v_ptrs = V + b_kv * stride_vb + h_kv * stride_vh + k_start * stride_vn + offs_d[None, :]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -115,14 +131,17 @@ def _fwd_kernel(
         full_hi = tl.maximum(tl.minimum(full_hi, key_hi), full_lo)
     if WINDOW or SPLIT_KV:  # (without a left bound, or a split start, the masked head range is empty)
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
-                                   key_lo, full_lo, n_k, shift, win_left, win_right, qk_scale,
-                                   MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION)
+                                   key_lo, full_lo, n_k, shift, win_left, win_right, qk_scale, bt_row, page_size,
+                                   MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
+                                   DOT_PRECISION=DOT_PRECISION, PAGED=PAGED)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
-                               full_lo, full_hi, n_k, shift, win_left, win_right, qk_scale,
-                               MASKED=False, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION)
+                               full_lo, full_hi, n_k, shift, win_left, win_right, qk_scale, bt_row, page_size,
+                               MASKED=False, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
+                               DOT_PRECISION=DOT_PRECISION, PAGED=PAGED)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
-                               full_hi, key_hi, n_k, shift, win_left, win_right, qk_scale,
-                               MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION)
+                               full_hi, key_hi, n_k, shift, win_left, win_right, qk_scale, bt_row, page_size,
+                               MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
+                               DOT_PRECISION=DOT_PRECISION, PAGED=PAGED)
 
     # ---- epilogue: normalise; rows without a visible key give 0 and L = -inf
     empty = l_i == 0.0

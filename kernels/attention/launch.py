@@ -131,13 +131,22 @@ def _bwd_config(d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, 
 
 
 def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, window=(-1, -1),
-                            cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0):
+                            cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0, *,
+                            seqused_k=None, kv_batch=None, block_table=None, page_size: int = 0,
+                            num_splits: int = 0):
     """Returns ``(o, lse)``: ``o`` like ``q``; ``lse`` fp32 ``q.shape[:-1]`` for batches, ``[heads, total_q]``
-    for packed sequences (``cu_seqlens_*`` given, ``q[total_q, heads, d]``)."""
+    for packed sequences (``cu_seqlens_*`` given, ``q[total_q, heads, d]``).
+
+    KV caches (:func:`.kvcache.flash_attn_with_kvcache`): ``seqused_k`` (int32 ``[batch]``) gives each sequence's
+    key count and ``max_seqlen_k`` the capacity; the keys of sequence b are row ``kv_batch[b]`` of ``k[rows, kv_heads,
+    positions, d]`` (dense), or with ``block_table`` the rows of ``k[1, kv_heads, pool_rows, d]`` its table lists,
+    ``page_size`` per block. ``num_splits``: 0 chooses, 1 none, more splits the keys over that many programs."""
     packed = cu_seqlens_q is not None
+    cache = seqused_k is not None
+    paged = block_table is not None
     q4, k4, v4 = (_as_4d(t, packed) for t in (q, k, v))
     b, h, n_q, d = q4.shape
-    n_k, group = k4.shape[2], h // k4.shape[1]
+    n_k, group = (max_seqlen_k if cache else k4.shape[2]), h // k4.shape[1]
     o, o4 = _empty_4d_like(q, packed)
     if packed:
         b, n_q, n_k = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
@@ -153,22 +162,33 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
         lse.fill_(float("-inf"))
         return o, lse
     win_left, win_right = _window(is_causal, window, n_q, n_k)
-    cu_q = cu_seqlens_q if packed else lse  # (unused pointer for batches)
+    cu_q = cu_seqlens_q if packed else lse  # (unused pointers for batches / dense caches)
     cu_k = cu_seqlens_k if packed else lse
     common = dict(CAUSAL=is_causal, WINDOW=_has_window(is_causal, window), VARLEN=packed, BLOCK_D=_block_d(d),
-                  EVEN_D=d == _block_d(d), **_dot_precision(q.dtype))
+                  EVEN_D=d == _block_d(d), SEQUSED_K=cache, PAGED=paged, **_dot_precision(q.dtype))
+    cache_args = (block_table.stride(0) if paged else 0, page_size)
     args = lambda o_arg, lse_arg, o_strides, l_strides: (  # noqa: E731
-        q4, k4, v4, o_arg, lse_arg, cu_q, cu_k, *_strides3(q4, packed), *_strides3(k4, packed),
-        *_strides3(v4, packed), *o_strides, *l_strides)
-    splits = 1 if packed else decode._decode_splits(b * h, n_q, n_k, decode.DECODE_CONFIG[1], q.device)
+        q4, k4, v4, o_arg, lse_arg, cu_q, cu_k, seqused_k if cache else lse,
+        kv_batch if kv_batch is not None else lse, block_table if paged else lse, *_strides3(q4, packed),
+        *_strides3(k4, packed), *_strides3(v4, packed), *o_strides, *l_strides)
+    # a paged tile must not cross a block: key tiles of at most page_size rows (both powers of two x 16)
+    max_block_n = (page_size & -page_size) if paged else None
+    if num_splits == 1 or packed or n_q > decode.DECODE_MAX_QUERIES:
+        splits = 1
+    elif num_splits > 1:
+        splits = min(num_splits, triton.cdiv(n_k, 16))
+    else:
+        splits = decode._decode_splits(b * h, n_q, n_k, decode.DECODE_CONFIG[1], q.device)
     if splits > 1:
         # ---- flash-decoding: keys split over programs, partials combined by their logsumexps
         decode.split_kv_forward(args, o4, lse, lse_strides, splits, h, group, n_q, n_k, d, softmax_scale, win_left,
-                                win_right, common, q.device)
+                                win_right, common, q.device, cache_args, max_block_n)
         return o, lse
     block_m, block_n, warps, stages = _fwd_config(d, q.dtype, q.device)
-    if (not packed and not common["WINDOW"] and _tma_selected(d, q.dtype, q.device) and b * h <= MAX_GRID_AXIS1
-            and _tma_ready(q4, k4, v4, o4)):
+    if paged:
+        block_n = min(block_n, max_block_n)
+    if (not packed and not cache and not common["WINDOW"] and _tma_selected(d, q.dtype, q.device)
+            and b * h <= MAX_GRID_AXIS1 and _tma_ready(q4, k4, v4, o4)):
         # ---- Hopper TMA variant (chosen only by a tuned table / the sweep): dense attention, descriptor loads;
         # descriptors index whole tensors, so it runs as one launch (more batch x heads keep the default kernel)
         _set_tma_allocator(q.device)
@@ -186,7 +206,8 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
     for bh_start, n_bh in grid_axis1_launches(b * h):
         _fwd_kernel[(triton.cdiv(n_q, block_m), n_bh)](
             *args(o4, lse, _strides3(o4, packed), lse_strides), h, group, bh_start, n_q, n_k, d,
-            softmax_scale * LOG2E, win_left, win_right, 0, SPLIT_KV=False, BLOCK_M=block_m, BLOCK_N=block_n,
+            softmax_scale * LOG2E, win_left, win_right, 0, *cache_args, SPLIT_KV=False, BLOCK_M=block_m,
+            BLOCK_N=block_n,
             **common, num_warps=warps, num_stages=stages)
     return o, lse
 

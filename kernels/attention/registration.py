@@ -105,6 +105,17 @@ def _sass_cases(quick: bool) -> list[_registry.SassCase]:
                                     (L("attention.decode_split", 0, 4 * 4 * 32 * 32768 * d),),
                                     bytes_moved=2 * _registry.nbytes(cache)))  # K and V read once
     cases.append(_registry.SassCase("4x32 heads, 1 query", decode, (L("attention.decode_combine", 1),)))
+    # flash_attn_with_kvcache's decoding: ragged lengths from the device, keys through a paged pool's block table
+    # (256-row blocks, 32K positions per sequence)
+    pool = torch.empty(1, 8, 4 * 32768, d, dtype=dtype, device=meta)
+    lengths = torch.empty(4, dtype=torch.int32, device=meta)
+    table = torch.empty(4, 128, dtype=torch.int32, device=meta)
+    cases.append(_registry.SassCase(
+        "4x32(8kv) 1 query, paged 256-row blocks, 32768 positions bf16",
+        lambda: flash_attention_forward(q1, pool, pool, True, 0.1, max_seqlen_k=32768, seqused_k=lengths,
+                                        block_table=table, page_size=256),
+        (L("attention.paged_decode_split", 0, 4 * 4 * 32 * 32768 * d),),
+        bytes_moved=2 * 4 * 32768 * 8 * d * 2))  # K and V of every sequence read once
     return cases
 
 
@@ -159,7 +170,8 @@ _BWD_CANDIDATES = (
 _FIELDS = (*_CONFIG_FIELDS, "TMA")
 
 _registry.register(_registry.Op(
-    name="attention", entry_points=("flash_attention", "FlashAttention", "flash_attn_func", "flash_attn_varlen_func"),
+    name="attention", entry_points=("flash_attention", "FlashAttention", "flash_attn_func", "flash_attn_varlen_func",
+                                    "flash_attn_with_kvcache"),
     reference="tritonlm.modules.functional.scaled_dot_product_attention",
     tunables=(_registry.Tunable("attention_fwd", _FIELDS, _FWD_CANDIDATES, _shipped(_fwd_config)),
               _registry.Tunable("attention_bwd", _FIELDS, _BWD_CANDIDATES, _shipped(_bwd_config))),

@@ -1,0 +1,165 @@
+"""``flash_attn_with_kvcache`` against an fp64 recomputation: dense and paged caches, ragged ``cache_seqlens``,
+in-place appends (cache contents checked), RoPE in both layouts, GQA, windows, ``cache_batch_idx``, forced and
+chosen key splits, the logsumexp; and its one-line errors, raised before any write."""
+
+import math
+
+import pytest
+import torch
+
+from tritonlm.kernels import flash_attn_with_kvcache
+
+from helpers import DTYPE_TOLERANCES
+
+
+def _rotate(x, cos, sin, positions, interleaved):
+    """RoPE written out: x [batch, seq, heads, d] at positions [batch, seq]."""
+    c, s = cos[positions][:, :, None, :].double(), sin[positions][:, :, None, :].double()
+    x = x.double()
+    if interleaved:
+        even, odd = x[..., 0::2], x[..., 1::2]
+        return torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2)
+    half = x.shape[-1] // 2
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat((a * c - b * s, a * s + b * c), dim=-1)
+
+
+def _reference(q, keys, values, n_keys, causal, window, scale):
+    """fp64 attention of q [batch, seq_q, heads, d] against each sequence's first n_keys[b] keys [batch][n, kv, d];
+    bottom-right causal and window masks; rows with no visible key give 0 and lse -inf."""
+    batch, seq_q, heads, d = q.shape
+    out = torch.zeros(batch, seq_q, heads, d, dtype=torch.float64)
+    lse = torch.full((batch, heads, seq_q), float("-inf"), dtype=torch.float64)
+    for b in range(batch):
+        n = int(n_keys[b])
+        k, v = keys[b][:n].double(), values[b][:n].double()
+        group = heads // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q[b].double(), k) * scale
+        i = torch.arange(seq_q)[:, None] + (n - seq_q)
+        j = torch.arange(n)[None, :]
+        visible = torch.ones(seq_q, n, dtype=torch.bool)
+        if causal:
+            visible &= j <= i
+        left, right = window
+        if left >= 0:
+            visible &= j >= i - left
+        if right >= 0:
+            visible &= j <= i + right
+        s = s.masked_fill(~visible, float("-inf"))
+        row_lse = torch.logsumexp(s, dim=-1)
+        p = torch.where(visible, torch.exp(s - row_lse.nan_to_num(neginf=0)[..., None]), 0.0)
+        out[b] = torch.einsum("hqk,khd->qhd", p, v)
+        lse[b] = row_lse
+    return out, lse
+
+
+def _setup(batch=3, seq_q=3, new=3, heads=4, kv_heads=2, d=16, capacity=80, lengths=(37, 0, 64), paged=None,
+           dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, seq_q, heads, d, generator=gen).to(dtype)
+    k = torch.randn(batch, new, kv_heads, d, generator=gen).to(dtype) if new else None
+    v = torch.randn(batch, new, kv_heads, d, generator=gen).to(dtype) if new else None
+    lengths = torch.tensor(lengths, dtype=torch.int32)
+    if paged is None:
+        k_cache = torch.randn(batch, capacity, kv_heads, d, generator=gen).to(dtype)
+        v_cache = torch.randn(batch, capacity, kv_heads, d, generator=gen).to(dtype)
+        table = None
+    else:  # a shuffled pool: sequence b's blocks are scattered
+        blocks = capacity // paged
+        pool = batch * blocks + 2
+        k_cache = torch.randn(pool, paged, kv_heads, d, generator=gen).to(dtype)
+        v_cache = torch.randn(pool, paged, kv_heads, d, generator=gen).to(dtype)
+        table = torch.randperm(pool, generator=gen)[:batch * blocks].view(batch, blocks).to(torch.int32)
+    return q, k, v, k_cache, v_cache, lengths, table
+
+
+def _sequence_keys(cache, b, table, batch_idx):
+    """The cache rows of sequence b in position order ([positions, kv, d])."""
+    if table is None:
+        return cache[b if batch_idx is None else int(batch_idx[b])]
+    return cache[table[b].long()].flatten(0, 1)
+
+
+@pytest.mark.parametrize("dtype, tol", DTYPE_TOLERANCES)
+@pytest.mark.parametrize("paged", [None, 16], ids=["dense", "paged"])
+@pytest.mark.parametrize("rotary", [None, "interleaved", "half"])
+def test_append_rotate_attend_vs_fp64(paged, rotary, dtype, tol):
+    q, k, v, k_cache, v_cache, lengths, table = _setup(paged=paged, dtype=dtype)
+    before = k_cache.clone()
+    cos = sin = None
+    if rotary:
+        angles = torch.arange(128)[:, None] * 10000.0 ** (-torch.arange(8) / 8)
+        cos, sin = torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin,
+                                       cache_seqlens=lengths, block_table=table, causal=True,
+                                       rotary_interleaved=rotary != "half", return_softmax_lse=True)
+    positions = lengths[:, None].long() + torch.arange(3)
+    k_new = _rotate(k, cos, sin, positions, rotary != "half").to(dtype) if rotary else k
+    q_ref = _rotate(q, cos, sin, positions, rotary != "half").to(dtype) if rotary else q
+    for b in range(3):
+        keys = _sequence_keys(k_cache, b, table, None)
+        n = int(lengths[b])
+        # appended in place at cache_seqlens[b] + j (rotated); the positions before untouched
+        torch.testing.assert_close(keys[n:n + 3], k_new[b], atol=tol["atol"] * 4, rtol=tol["rtol"] * 4)
+        torch.testing.assert_close(keys[:n], _sequence_keys(before, b, table, None)[:n], atol=0, rtol=0)
+    keys = [_sequence_keys(k_cache, b, table, None) for b in range(3)]
+    values = [_sequence_keys(v_cache, b, table, None) for b in range(3)]
+    expected, expected_lse = _reference(q_ref, keys, values, lengths + 3, True, (-1, -1), 1 / math.sqrt(16))
+    assert out.shape == q.shape and out.dtype == dtype
+    torch.testing.assert_close(out.double(), expected, atol=tol["atol"] * 8, rtol=tol["rtol"] * 8)
+    torch.testing.assert_close(lse.double(), expected_lse, atol=tol["atol"] * 8, rtol=tol["rtol"] * 8)
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 3])
+@pytest.mark.parametrize("paged", [None, 32], ids=["dense", "paged"])
+def test_decoding_ragged_caches_with_splits_gqa_and_windows(num_splits, paged, monkeypatch):
+    """One query per sequence against ragged caches, GQA 8 on 2, a left window, and cache_batch_idx (dense):
+    num_splits 0 takes the split-KV path by the launcher's own rule (its cache-length threshold lowered here, as
+    the real one is 2048 keys), 3 forces three splits, 1 none."""
+    from tritonlm.kernels.attention import decode
+
+    monkeypatch.setattr(decode, "DECODE_MIN_KEYS", 64)
+    chosen = []
+    real = decode._decode_splits
+    monkeypatch.setattr(decode, "_decode_splits", lambda *a: chosen.append(real(*a)) or chosen[-1])
+    q, _, _, k_cache, v_cache, _, table = _setup(batch=3, seq_q=1, new=0, heads=8, kv_heads=2, capacity=320,
+                                                 paged=paged, seed=1)
+    lengths = torch.tensor([300, 170, 222], dtype=torch.int32)
+    batch_idx = None if paged else torch.tensor([2, 0, 1], dtype=torch.int32)
+    for window in ((-1, -1), (100, 0)):
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, cache_batch_idx=batch_idx,
+                                      block_table=table, causal=True, window_size=window, num_splits=num_splits)
+        keys = [_sequence_keys(k_cache, b, table, batch_idx) for b in range(3)]
+        values = [_sequence_keys(v_cache, b, table, batch_idx) for b in range(3)]
+        expected, _ = _reference(q, keys, values, lengths, True, window, 1 / math.sqrt(16))
+        torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+    assert (chosen and chosen[-1] > 1) if num_splits == 0 else not chosen
+
+
+def test_empty_caches_and_int_lengths():
+    """cache_seqlens as an int; a sequence with nothing cached and nothing new gives zeros (no visible key)."""
+    q, k, v, k_cache, v_cache, _, _ = _setup(lengths=(5, 5, 5))
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=5, causal=False)
+    keys = [k_cache[b] for b in range(3)]
+    values = [v_cache[b] for b in range(3)]
+    expected, _ = _reference(q, keys, values, torch.tensor([8, 8, 8]), False, (-1, -1), 1 / math.sqrt(16))
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+    q1, _, _, k_cache, v_cache, _, _ = _setup(new=0, lengths=(0, 0, 0))
+    assert flash_attn_with_kvcache(q1, k_cache, v_cache, cache_seqlens=0).abs().max() == 0
+
+
+def test_errors_come_before_any_write():
+    q, k, v, k_cache, v_cache, lengths, table = _setup(paged=16, lengths=(37, 0, 78))
+    before = k_cache.clone()
+    with pytest.raises(ValueError, match="needs 81 positions but the block table holds 80"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, block_table=table)
+    assert torch.equal(k_cache, before)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table, softcap=30.0)
+    with pytest.raises(TypeError, match="cache_seqlens"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths.long(), block_table=table)
+    with pytest.raises(TypeError, match="block_table"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table.long())
+    with pytest.raises(ValueError, match="give both k and v"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, None, cache_seqlens=lengths, block_table=table)
