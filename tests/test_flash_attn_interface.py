@@ -198,7 +198,7 @@ def test_unsupported_features_are_errors_naming_the_argument():
         with pytest.raises(NotImplementedError, match=name):
             flash_attn_func(q, q, q, **kwargs)
     p, cu = torch.randn(4, 2, 8), torch.tensor([0, 4], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="block_table"):
+    with pytest.raises(ValueError, match="block_table"):  # a paged prefill needs k, v as a [blocks, page, ...] pool
         flash_attn_varlen_func(p, p, p, cu, cu, 4, 4, block_table=torch.zeros(1, 1, dtype=torch.int32))
 
 

@@ -163,3 +163,31 @@ def test_errors_come_before_any_write():
         flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table.long())
     with pytest.raises(ValueError, match="give both k and v"):
         flash_attn_with_kvcache(q, k_cache, v_cache, k, None, cache_seqlens=lengths, block_table=table)
+
+
+@pytest.mark.parametrize("dtype, tol", DTYPE_TOLERANCES)
+def test_paged_prefill_through_varlen(dtype, tol):
+    """``flash_attn_varlen_func(..., block_table=...)``: packed queries against each sequence's keys in a shuffled
+    pool (prefill: as many queries as keys, and a sequence with fewer queries than keys), causal, GQA."""
+    from tritonlm.kernels import flash_attn_varlen_func
+
+    q_lens, k_lens = [37, 5, 20], [37, 5, 60]
+    _, _, _, k_pool, v_pool, _, table = _setup(batch=3, heads=4, kv_heads=2, capacity=64, paged=16, dtype=dtype,
+                                               seed=4)
+    q = torch.randn(sum(q_lens), 4, 16, generator=torch.Generator().manual_seed(5)).to(dtype)
+    cu_q = torch.tensor([0, 37, 42, 62], dtype=torch.int32)
+    cu_k = torch.tensor([0, 37, 42, 102], dtype=torch.int32)
+    with torch.no_grad():
+        out = flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_k, 37, 60, causal=True, block_table=table)
+    for b in range(3):
+        queries = q[int(cu_q[b]):int(cu_q[b + 1])][None]
+        keys = [_sequence_keys(k_pool, b, table, None)]
+        values = [_sequence_keys(v_pool, b, table, None)]
+        expected, _ = _reference(queries, keys, values, [k_lens[b]], True, (-1, -1), 1 / math.sqrt(16))
+        torch.testing.assert_close(out[int(cu_q[b]):int(cu_q[b + 1])].double(), expected[0], atol=tol["atol"] * 8,
+                                   rtol=tol["rtol"] * 8)
+    with pytest.raises(NotImplementedError, match="forward only"):
+        flash_attn_varlen_func(q.requires_grad_(), k_pool, v_pool, cu_q, cu_k, 37, 60, block_table=table)
+    with pytest.raises(ValueError, match="exceeds the block table"):
+        with torch.no_grad():
+            flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_k, 37, 65, block_table=table)

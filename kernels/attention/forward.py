@@ -88,10 +88,11 @@ def _fwd_kernel(
     b_kv = b
     if SEQUSED_K:
         n_k = tl.load(SEQLEN_K + b)
-        if PAGED:
-            b_kv = b * 0
-        else:
+        if not PAGED:
             b_kv = tl.load(KV_BATCH + b).to(tl.int64)
+    if PAGED:  # key rows are the sequence's own positions, found through its table row in the one pool
+        b_kv = b * 0
+        k_start = k_start * 0
     bt_row = BLOCK_TABLE + b * stride_bt
     if SPLIT_KV:
         start_m = 0

@@ -10,8 +10,8 @@ differentiable (the Triton backward); ``deterministic`` keeps flash-attn's meani
 backward that adds dQ with fp32 atomics inside the dK/dV kernel (fewer matmuls, summation order varies by run),
 True the two-kernel backward whose every gradient is bitwise reproducible. ``flash_attn_varlen_func`` launches
 without a host sync, trusting ``max_seqlen_q/k`` as flash-attn does; ``cu_seqlens`` values are checked only
-where reading them is free (CPU tensors). What is not built —
-dropout, ALiBi, softcapping, returning attention probabilities, paged KV (``block_table``) — is a one-line
+where reading them is free (CPU tensors); with ``block_table`` it reads keys from a paged pool (prefill; forward
+only). What is not built — dropout, ALiBi, softcapping, returning attention probabilities — is a one-line
 error naming the argument, never silently ignored. The kernels never visit a key tile outside a query's
 sequence or window.
 """
@@ -77,9 +77,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     return out.transpose(1, 2)
 
 
-def _check_cu_seqlens(op: str, name: str, cu: torch.Tensor, total: int, max_seqlen, device) -> int:
-    """Shape, dtype and device of ``cu`` (no host sync); its values too where they live on the CPU. Returns the
-    number of sequences."""
+def _check_cu_seqlens(op: str, name: str, cu: torch.Tensor, total: int | None, max_seqlen, device) -> int:
+    """Shape, dtype and device of ``cu`` (no host sync); its values too where they live on the CPU (``total``: the
+    row count they must end at, None for a paged pool's key counts). Returns the number of sequences."""
     if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
         raise TypeError(f"{op}: {name} must be a 1-D int32 tensor of cumulative lengths, got "
                         f"{getattr(cu, 'dtype', type(cu).__name__)} {tuple(getattr(cu, 'shape', ()))}")
@@ -94,11 +94,48 @@ def _check_cu_seqlens(op: str, name: str, cu: torch.Tensor, total: int, max_seql
         lengths = [b - a for a, b in zip(values, values[1:])]
         if any(n < 0 for n in lengths):
             raise ValueError(f"{op}: {name} must be non-decreasing, got {values}")
-        if values[-1] != total:
+        if total is not None and values[-1] != total:
             raise ValueError(f"{op}: {name} ends at {values[-1]} but there are {total} tokens")
         if lengths and max(lengths) > int(max_seqlen):
             raise ValueError(f"{op}: a sequence has {max(lengths)} tokens, more than max_seqlen={max_seqlen}")
     return cu.numel() - 1
+
+
+def _paged_varlen(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                  window_size, block_table):
+    """``flash_attn_varlen_func`` over a paged pool (its docstring): the forward kernel reads key tiles through the
+    block table."""
+    import math
+
+    from .launch import flash_attention_forward
+
+    if q.dim() != 3 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"{op}: with block_table, q must be [total_q, heads, d] and k, v a pool [num_blocks, "
+                         f"page_size, kv_heads, d]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    _check_heads(op, q, k[0], v[0])
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise NotImplementedError(f"{op}: block_table (paged KV) is forward only; run it under torch.no_grad()")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.device != q.device:
+        raise TypeError(f"{op}: block_table must be an int32 [batch, max_blocks] tensor on {q.device}, got "
+                        f"{block_table.dtype} {tuple(block_table.shape)} on {block_table.device}")
+    page_size = k.shape[1]
+    if page_size % 16:
+        raise ValueError(f"{op}: the pool's block size ({page_size}) must be a multiple of 16")
+    capacity = block_table.shape[1] * page_size
+    window = _check_window(op, window_size)
+    n_q = _check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, q.device)
+    n_k = _check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, None, max_seqlen_k, q.device)
+    if not n_q == n_k == block_table.shape[0]:
+        raise ValueError(f"{op}: cu_seqlens_q ({n_q} sequences), cu_seqlens_k ({n_k}) and block_table "
+                         f"({block_table.shape[0]} rows) disagree")
+    if int(max_seqlen_k) > capacity:
+        raise ValueError(f"{op}: max_seqlen_k={max_seqlen_k} exceeds the block table's {capacity} positions")
+    kv_heads, d = k.shape[2], k.shape[3]
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
+    out, _ = flash_attention_forward(q, k.view(-1, kv_heads, d), v.view(-1, kv_heads, d), bool(causal), scale, window,
+                                     cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                                     block_table=block_table, page_size=page_size)
+    return out
 
 
 def _values_readable(t: torch.Tensor) -> bool:
@@ -111,9 +148,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            deterministic=False, return_attn_probs=False, block_table=None):
     """Attention within each packed sequence: ``q[total_q, heads, d]``, ``k, v[total_k, kv_heads, d]``, sequence
     ``i`` owning query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and the matching key rows; returns
-    ``[total_q, heads, d]``. flash-attn 2's signature and semantics (module docstring)."""
+    ``[total_q, heads, d]``. flash-attn 2's signature and semantics (module docstring).
+
+    Paged prefill: with ``block_table [batch, max_blocks]`` (int32), ``k, v`` are a pool ``[num_blocks, page_size,
+    kv_heads, d]`` and ``cu_seqlens_k`` the sequences' cumulative key counts; position ``p`` of sequence ``i`` is row
+    ``p % page_size`` of block ``block_table[i, p // page_size]``. Forward only (an inference path, as in
+    flash-attn)."""
     op = "flash_attn_varlen_func"
-    _unsupported(op, dropout_p, softcap, alibi_slopes, return_attn_probs, block_table)
+    _unsupported(op, dropout_p, softcap, alibi_slopes, return_attn_probs)
+    if block_table is not None:
+        return _paged_varlen(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                             causal, window_size, block_table)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise ValueError(f"{op}: {name} must be [total_tokens, heads, d], got {tuple(t.shape)}")
