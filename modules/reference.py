@@ -352,8 +352,8 @@ class MoEFFN(nn.Module):
     added, scaled by a sigmoid gate (Qwen2-MoE). Parameters: ``router.weight [E, d_model]``, ``experts.*``,
     ``shared_expert.w1/w2/w3``, ``shared_expert_gate.weight [1, d_model]``.
 
-    After each forward, ``router_logits [tokens, E]`` and ``expert_tokens [E]`` (pairs routed to each expert) hold
-    that call's routing, read by the model for the load-balancing loss and the log.
+    After each forward, ``router_logits [tokens, E]`` and ``top_k_index [tokens, K]`` hold that call's routing, read
+    by the model for the load-balancing loss and the log (``expert_tokens``: pairs routed to each expert).
     """
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, norm_topk_prob: bool = True,
@@ -367,15 +367,21 @@ class MoEFFN(nn.Module):
             self.shared_expert = SwiGLU(d_model, shared_d_ff, device=device, dtype=dtype)
             self.shared_expert_gate = Linear(d_model, 1, device=device, dtype=dtype)
         self.router_logits: torch.Tensor | None = None
-        self.expert_tokens: torch.Tensor | None = None
+        self.top_k_index: torch.Tensor | None = None
+
+    @property
+    def expert_tokens(self) -> torch.Tensor:
+        """``[E]``: how many (token, slot) pairs the last forward routed to each expert (counted when asked, not on
+        every forward)."""
+        index = self.top_k_index.reshape(-1)
+        return torch.zeros(self.num_experts, dtype=torch.int64, device=index.device).scatter_add_(
+            0, index, torch.ones_like(index))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x[..., d_model] -> [..., d_model]``."""
         flat = x.reshape(-1, x.shape[-1])
         logits, weights, index = F.moe_router(flat, self.router.weight, self.top_k, self.norm_topk_prob)
-        self.router_logits = logits
-        self.expert_tokens = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device).scatter_add_(
-            0, index.reshape(-1), torch.ones_like(index.reshape(-1)))
+        self.router_logits, self.top_k_index = logits, index
         out = self.experts(flat, index, weights)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)

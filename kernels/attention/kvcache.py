@@ -20,6 +20,7 @@ import math
 import torch
 
 from .._common import check_device, check_float
+from .interface import _check_window, _unsupported
 from .launch import flash_attention_forward
 
 
@@ -62,12 +63,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     seqlen_q, heads, d]`` (and the fp32 logsumexp ``[batch, heads, seqlen_q]`` with ``return_softmax_lse``).
     See the module docstring; not differentiable (an inference entry point, as in flash-attn)."""
     op = "flash_attn_with_kvcache"
-    from .interface import _check_window
-
-    if alibi_slopes is not None:
-        raise NotImplementedError(f"{op}: alibi_slopes is not supported")
-    if softcap:
-        raise NotImplementedError(f"{op}: softcap={softcap} is not supported")
+    _unsupported(op, 0.0, softcap, alibi_slopes, False)
     if cache_leftpad is not None:
         raise NotImplementedError(f"{op}: cache_leftpad is not supported")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
