@@ -36,13 +36,16 @@ def causal_mask(n_queries: int, n_keys: int, device=None) -> torch.Tensor:
 
 
 def scaled_dot_product_attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor,
-                                 mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``softmax(Q Kᵀ / sqrt(d_k)) V``.
+                                 mask: torch.Tensor | None = None, *, scale: float | None = None,
+                                 softcap: float = 0.0) -> torch.Tensor:
+    """``softmax(Q Kᵀ · scale) V``, ``scale`` defaulting to ``1 / sqrt(d_k)``.
 
     Args:
         Q: ``[..., queries, d_k]``; K: ``[..., keys, d_k]``; V: ``[..., keys, d_v]``.
         mask: optional boolean ``[..., queries, keys]`` (broadcastable), True = attend. A query row with
             no key to attend to yields zeros.
+        softcap: when > 0, the scaled scores ``s`` become ``softcap · tanh(s / softcap)`` before the softmax
+            (Gemma 2's attention logit cap; flash-attn's ``softcap``).
     Returns:
         ``[..., queries, d_v]``.
     """
@@ -50,7 +53,10 @@ def scaled_dot_product_attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tens
         raise ValueError(f"Q and K head dims differ: {Q.shape[-1]} vs {K.shape[-1]}")
     if K.shape[-2] != V.shape[-2]:
         raise ValueError(f"K and V key counts differ: {K.shape[-2]} vs {V.shape[-2]}")
-    scores = einsum(Q, K, "... queries d_k, ... keys d_k -> ... queries keys") / math.sqrt(Q.shape[-1])
+    scores = einsum(Q, K, "... queries d_k, ... keys d_k -> ... queries keys")
+    scores = scores / math.sqrt(Q.shape[-1]) if scale is None else scores * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     if mask is not None:
         if mask.dtype != torch.bool:
             raise TypeError(f"mask must be boolean (True = attend), got {mask.dtype}")

@@ -37,6 +37,21 @@ DTYPE_TOLERANCES = [pytest.param(dtype, tolerance(dtype), id=str(dtype).replace(
                     for dtype in (torch.float32, torch.float16, torch.bfloat16)]
 
 
+def flash_visibility(n_q: int, n_k: int, causal: bool, window=(-1, -1)) -> torch.Tensor:
+    """flash-attn's ``[n_q, n_k]`` visibility: key j for query i when j - i - (n_k - n_q) is in [-left, right]
+    (-1 = no bound; bottom-right alignment); causal caps right at 0."""
+    rel = torch.arange(n_k)[None, :] - torch.arange(n_q)[:, None] - (n_k - n_q)
+    left, right = window
+    visible = torch.ones(n_q, n_k, dtype=torch.bool)
+    if causal:
+        visible &= rel <= 0
+    if right >= 0:
+        visible &= rel <= right
+    if left >= 0:
+        visible &= rel >= -left
+    return visible
+
+
 def fp64(*tensors: torch.Tensor):
     """Detached fp64 copies that require grad: the inputs of a reference recomputation."""
     out = tuple(t.detach().double().requires_grad_(t.requires_grad) for t in tensors)

@@ -10,29 +10,14 @@ from tritonlm.kernels import FlashAttention, flash_attn_func, flash_attn_varlen_
 from tritonlm.kernels.attention import backward as attention_backward
 from tritonlm.kernels.attention import decode as attention_decode
 
-from helpers import FP32_ATTENTION_TOL, record_launches
+from helpers import FP32_ATTENTION_TOL, flash_visibility, record_launches
 
 TOL = {torch.float32: FP32_ATTENTION_TOL, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
-def _mask(n_q, n_k, causal, window):
-    """flash-attn's visibility: key j for query i when j - i - (n_k - n_q) is in [-left, right] (-1 = no bound);
-    causal caps right at 0."""
-    rel = torch.arange(n_k)[None, :] - torch.arange(n_q)[:, None] - (n_k - n_q)
-    left, right = window
-    visible = torch.ones(n_q, n_k, dtype=torch.bool)
-    if causal:
-        visible &= rel <= 0
-    if right >= 0:
-        visible &= rel <= right
-    if left >= 0:
-        visible &= rel >= -left
-    return visible
-
-
 def _sdpa_bshd(q, k, v, causal, window):
     """fp64 reference on [batch, seq, heads, d]; a query that sees no key outputs 0 (flash-attn's convention)."""
-    mask = _mask(q.shape[1], k.shape[1], causal, window)
+    mask = flash_visibility(q.shape[1], k.shape[1], causal, window)
     out = TF.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                           enable_gqa=True)
     return torch.where(mask.any(-1)[None, None, :, None], out, 0.0).transpose(1, 2)
@@ -68,7 +53,7 @@ def test_flash_attn_func_positional_call_and_scale():
     """flash-attn 2's positional order: (q, k, v, dropout_p, softmax_scale, causal, window_size, ...)."""
     q, k, v = (torch.randn(1, 9, 2, 8) for _ in range(3))
     out = flash_attn_func(q, k, v, 0.0, 0.5, True, (-1, -1))
-    mask = _mask(9, 9, True, (-1, -1))
+    mask = flash_visibility(9, 9, True, (-1, -1))
     ref = TF.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                           scale=0.5).transpose(1, 2)
     torch.testing.assert_close(out, ref, atol=FP32_ATTENTION_TOL, rtol=FP32_ATTENTION_TOL)
@@ -162,7 +147,7 @@ def test_split_kv_decoding_vs_sdpa(split_decoding, dtype, n_q, heads):
     do = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), do)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    mask = _mask(n_q, n_k, True, (-1, -1))
+    mask = flash_visibility(n_q, n_k, True, (-1, -1))
     ref = TF.scaled_dot_product_attention(q64, k64, v64, attn_mask=mask, enable_gqa=True)
     _compare(out, ref, grads, torch.autograd.grad(ref, (q64, k64, v64), do.double()), dtype)
 
@@ -192,8 +177,7 @@ def test_split_kv_decoding_logsumexp_and_fused_generation(split_decoding):
 # ----------------------------------------------------------------------------------------------------
 def test_unsupported_features_are_errors_naming_the_argument():
     q = torch.randn(1, 4, 2, 8)
-    for kwargs, name in ((dict(dropout_p=0.1), "dropout_p"), (dict(softcap=30.0), "softcap"),
-                         (dict(alibi_slopes=torch.ones(2)), "alibi_slopes"),
+    for kwargs, name in ((dict(dropout_p=0.1), "dropout_p"), (dict(alibi_slopes=torch.ones(2)), "alibi_slopes"),
                          (dict(return_attn_probs=True), "return_attn_probs")):
         with pytest.raises(NotImplementedError, match=name):
             flash_attn_func(q, q, q, **kwargs)

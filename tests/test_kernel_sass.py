@@ -40,6 +40,7 @@ def test_every_kernel_is_covered(rows):
                        "attention.tma_bwd_dq",
                        "attention.gqa_fwd", "attention.gqa_bwd_dkdv", "attention.varlen_fwd", "attention.window_fwd",
                        "attention.decode_split", "attention.decode_combine", "attention.paged_decode_split",
+                       "attention.softcap_fwd", "attention.softcap_bwd_dkdv", "attention.softcap_bwd_dq",
                        "moe.up", "moe.down", "moe.down_bwd", "moe.dx", "moe.dgate_up", "moe.ddown"}
     assert {r["arch"] for r in rows} == {"sm_90", "sm_80"}
 
@@ -75,7 +76,8 @@ def test_attention_uses_tensor_cores(rows):
         if "dot=ieee" in r["config"]:
             continue  # IEEE fp32 dots run on FMA units by design (torch's "highest" precision)
         if r["kernel"] in ("attention.fwd", "attention.bwd_dkdv", "attention.bwd_dq", "attention.gqa_fwd",
-                           "attention.gqa_bwd_dkdv", "attention.varlen_fwd", "attention.window_fwd"):
+                           "attention.gqa_bwd_dkdv", "attention.varlen_fwd", "attention.window_fwd",
+                           "attention.softcap_fwd", "attention.softcap_bwd_dkdv", "attention.softcap_bwd_dq"):
             key = "HGMMA" if r["arch"] == "sm_90" else "HMMA"
             assert r["sass"].get(key, 0) > 0, r
         if r["kernel"].startswith("moe."):  # the grouped GEMMs: wgmma on sm_90, mma on sm_80

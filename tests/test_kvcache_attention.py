@@ -155,8 +155,8 @@ def test_errors_come_before_any_write():
     with pytest.raises(ValueError, match="needs 81 positions but the block table holds 80"):
         flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, block_table=table)
     assert torch.equal(k_cache, before)
-    with pytest.raises(NotImplementedError, match="softcap"):
-        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table, softcap=30.0)
+    with pytest.raises(ValueError, match="softcap"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table, softcap=-1.0)
     with pytest.raises(TypeError, match="cache_seqlens"):
         flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths.long(), block_table=table)
     with pytest.raises(TypeError, match="block_table"):
@@ -191,3 +191,70 @@ def test_paged_prefill_through_varlen(dtype, tol):
     with pytest.raises(ValueError, match="exceeds the block table"):
         with torch.no_grad():
             flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_k, 37, 65, block_table=table)
+
+
+@pytest.mark.parametrize("seq_q, new, num_splits", [(3, 3, 1), (1, 0, 3), (1, 1, 0)])
+def test_cache_leftpad_masks_the_padding(seq_q, new, num_splits, monkeypatch):
+    """Left-padded dense caches (``cache_leftpad``): sequence b attends to cache positions [leftpad[b], its end)
+    only; causal and window bounds count from its last position as without padding; appends land at
+    cache_seqlens[b]. The reference attends to the unpadded keys alone; NaN padding would poison any read."""
+    from tritonlm.kernels.attention import decode
+
+    monkeypatch.setattr(decode, "DECODE_MIN_KEYS", 32)
+    q, k, v, k_cache, v_cache, _, _ = _setup(seq_q=seq_q, new=new, heads=4, kv_heads=2, capacity=96, seed=4)
+    lengths = torch.tensor([70, 9, 40], dtype=torch.int32)
+    leftpad = torch.tensor([20, 0, 40], dtype=torch.int32)  # (a sequence entirely padding: only its new keys)
+    for b in range(3):
+        k_cache[b, :int(leftpad[b])] = float("nan")
+        v_cache[b, :int(leftpad[b])] = float("nan")
+    for window in ((-1, -1), (6, 0)):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lengths, cache_leftpad=leftpad, causal=True,
+                                      window_size=window, num_splits=num_splits)
+        keys = [kc[b, int(leftpad[b]):] for b in range(3)]
+        values = [vc[b, int(leftpad[b]):] for b in range(3)]
+        expected, _ = _reference(q, keys, values, lengths + new - leftpad, True, window, 1 / math.sqrt(16))
+        torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+        if new:
+            for b in range(3):
+                n = int(lengths[b])
+                torch.testing.assert_close(kc[b, n:n + new], k[b], atol=0, rtol=0)
+
+
+def test_partial_rotary_dim():
+    """``rotary_dim`` < d (Phi-3's partial rotary): the first rotary_dim dims of q and the new k turn, the rest
+    pass through unchanged."""
+    q, k, v, k_cache, v_cache, lengths, _ = _setup(seed=5)
+    angles = torch.arange(80)[:, None] * 10000.0 ** (-torch.arange(4) / 4)  # rotary_dim 8 of d 16
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    for interleaved in (True, False):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out = flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lengths,
+                                      causal=True, rotary_interleaved=interleaved)
+        positions = lengths[:, None].long() + torch.arange(3)
+        k_new = torch.cat((_rotate(k[..., :8], cos, sin, positions, interleaved), k[..., 8:].double()), -1)
+        q_ref = torch.cat((_rotate(q[..., :8], cos, sin, positions, interleaved), q[..., 8:].double()), -1)
+        for b in range(3):
+            n = int(lengths[b])
+            torch.testing.assert_close(kc[b, n:n + 3].double(), k_new[b], atol=1e-5, rtol=1e-5)
+        expected, _ = _reference(q_ref, list(kc), list(vc), lengths + 3, True, (-1, -1), 1 / math.sqrt(16))
+        torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+
+
+def test_leftpad_and_rotary_errors():
+    q, k, v, k_cache, v_cache, lengths, table = _setup(paged=16)
+    with pytest.raises(NotImplementedError, match="cache_leftpad with a paged cache"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table,
+                                cache_leftpad=torch.zeros(3, dtype=torch.int32))
+    q, k, v, k_cache, v_cache, lengths, _ = _setup()
+    with pytest.raises(ValueError, match="cache_leftpad must be in"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+                                cache_leftpad=torch.tensor([0, 1, 0], dtype=torch.int32))  # 1 > cache_seqlens 0
+    with pytest.raises(TypeError, match="cache_leftpad"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, cache_leftpad=torch.zeros(3))
+    short = torch.ones(40, 8)  # fewer rotary positions than the cache's 80
+    with pytest.raises(ValueError, match="seqlen_ro"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=short, rotary_sin=short, cache_seqlens=lengths)
+    wide = torch.ones(80, 9)  # rotary_dim 18 > d 16
+    with pytest.raises(ValueError, match="rotary_dim"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=wide, rotary_sin=wide, cache_seqlens=lengths)

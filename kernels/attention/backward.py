@@ -23,6 +23,7 @@ from .tiles import (
     _load_kv,
     _query_ranges,
     _query_tile_start,
+    _scores,
     _sequence,
     _visible,
 )
@@ -60,9 +61,9 @@ def _load_lse_log2(LSE_ROW, offs_m, n_q):
 
 @triton.jit
 def _bwd_dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW, offs_n, d_mask,
-                   start_m, n_q, n_k, shift, win_left, win_right, qk_scale, dq_ptrs, stride_dqm,
+                   start_m, n_q, n_k, shift, win_left, win_right, qk_scale, dq_ptrs, stride_dqm, softcap,
                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
-                   ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     """Fold the query tile at ``start_m`` into this key tile's dK, dV (and, with ``ATOMIC_DQ``, add its share of
     dQ = dS K into the fp32 dQ buffer with atomics: no separate dQ kernel, 5 matmuls per tile pair, not 7)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -73,12 +74,17 @@ def _bwd_dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW
     lse = _load_lse_log2(LSE_ROW, offs_m, n_q)
     delta = tl.load(DELTA_ROW + offs_m, mask=offs_m < n_q, other=0.0)
     # ---- recompute Pᵀ = exp(Sᵀ - L): [BLOCK_N keys, BLOCK_M queries]
-    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
+    s_t, tanh_t = _scores(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION), qk_scale, softcap, SOFTCAP)
     p_t = tl.math.exp2(s_t - lse[None, :])
     if MASKED:
         p_t = tl.where(tl.trans(_visible(offs_m, offs_n, n_k, shift, win_left, win_right, CAUSAL, WINDOW)), p_t, 0.0)
     # ---- dV += Pᵀ dO ; dPᵀ = V dOᵀ ; dSᵀ = Pᵀ (dPᵀ - D) ; dK += dSᵀ Q
-    dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+    p_lo = p_t.to(do.dtype)
+    if SOFTCAP:
+        # through the cap, d(c tanh(s / c)) / ds = 1 - tanh², folded into P at once so the tanh tile dies here
+        # (kept until dS it spilled 72 B on sm_90 at d 128: SASS report)
+        p_t = p_t * (1.0 - tanh_t * tanh_t)
+    dv += tl.dot(p_lo, do, input_precision=DOT_PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
     ds_t = p_t * (dp_t - delta[None, :])
     dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
@@ -92,13 +98,15 @@ def _bwd_dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW
 @triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW,
                     offs_n, d_mask, q_start, q_end, n_q, n_k, shift, win_left, win_right, qk_scale, dq_ptrs,
-                    stride_dqm, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                    BLOCK_M: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    stride_dqm, softcap, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                    BLOCK_M: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    SOFTCAP: tl.constexpr):
     """Fold query tiles ``[q_start, q_end)`` of one query head into dK, dV."""
     for start_m in range(q_start, q_end, BLOCK_M):
         dk, dv = _bwd_dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW, offs_n,
                                 d_mask, start_m, n_q, n_k, shift, win_left, win_right, qk_scale, dq_ptrs, stride_dqm,
-                                MASKED=MASKED, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_M=BLOCK_M, ATOMIC_DQ=ATOMIC_DQ, DOT_PRECISION=DOT_PRECISION)
+                                softcap, MASKED=MASKED, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_M=BLOCK_M,
+                                ATOMIC_DQ=ATOMIC_DQ, DOT_PRECISION=DOT_PRECISION, SOFTCAP=SOFTCAP)
     return dk, dv
 
 
@@ -109,10 +117,10 @@ def _bwd_dkdv_kernel(
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lb, stride_lh,
     stride_dqb, stride_dqh, stride_dqm,
-    n_kv_heads, group, bh_start, n_q, n_k, d_head, qk_scale, sm_scale, win_left, win_right,
+    n_kv_heads, group, bh_start, n_q, n_k, d_head, qk_scale, sm_scale, win_left, win_right, softcap,
     GQA: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     # ATOMIC_DQ: DQ is an fp32 [b, h, n_q, d] buffer that every key tile adds its dS K share into
     # grid axis 1 walks (batch, kv head) pairs; the group's query heads are summed in a fixed order below
@@ -154,8 +162,8 @@ def _bwd_dkdv_kernel(
             dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + q_start * stride_dqm + offs_d[None, :]
             dk, dv = _bwd_dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE + row_lse,
                                     DELTA + row_lse, offs_n, d_mask, start_m, n_q, n_k, shift, win_left, win_right,
-                                    qk_scale, dq_ptrs, stride_dqm, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW,
-                                    BLOCK_M=BLOCK_M, ATOMIC_DQ=ATOMIC_DQ, DOT_PRECISION=DOT_PRECISION)
+                                    qk_scale, dq_ptrs, stride_dqm, softcap, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW,
+                                    BLOCK_M=BLOCK_M, ATOMIC_DQ=ATOMIC_DQ, DOT_PRECISION=DOT_PRECISION, SOFTCAP=SOFTCAP)
     else:
         # ---- one query head: masked head range, unmasked middle, masked tail
         h = h_kv
@@ -166,17 +174,20 @@ def _bwd_dkdv_kernel(
         dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + q_start * stride_dqm + offs_d[None, :]
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW,
                                  offs_n, d_mask, q_lo, full_lo, n_q, n_k, shift, win_left, win_right,
-                                 qk_scale, dq_ptrs, stride_dqm, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW,
-                                 BLOCK_M=BLOCK_M, ATOMIC_DQ=ATOMIC_DQ, DOT_PRECISION=DOT_PRECISION)
+                                 qk_scale, dq_ptrs, stride_dqm, softcap, MASKED=True, CAUSAL=CAUSAL,
+                                 WINDOW=WINDOW, BLOCK_M=BLOCK_M, ATOMIC_DQ=ATOMIC_DQ, DOT_PRECISION=DOT_PRECISION,
+                                 SOFTCAP=SOFTCAP)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW,
                                  offs_n, d_mask, full_lo, full_hi, n_q, n_k, shift, win_left, win_right,
-                                 qk_scale, dq_ptrs, stride_dqm, MASKED=False, CAUSAL=CAUSAL, WINDOW=WINDOW,
-                                 BLOCK_M=BLOCK_M, ATOMIC_DQ=ATOMIC_DQ, DOT_PRECISION=DOT_PRECISION)
+                                 qk_scale, dq_ptrs, stride_dqm, softcap, MASKED=False, CAUSAL=CAUSAL,
+                                 WINDOW=WINDOW, BLOCK_M=BLOCK_M, ATOMIC_DQ=ATOMIC_DQ, DOT_PRECISION=DOT_PRECISION,
+                                 SOFTCAP=SOFTCAP)
         if WINDOW:
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW,
                                      offs_n, d_mask, full_hi, q_hi, n_q, n_k, shift, win_left, win_right,
-                                     qk_scale, dq_ptrs, stride_dqm, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW,
-                                     BLOCK_M=BLOCK_M, ATOMIC_DQ=ATOMIC_DQ, DOT_PRECISION=DOT_PRECISION)
+                                     qk_scale, dq_ptrs, stride_dqm, softcap, MASKED=True, CAUSAL=CAUSAL,
+                                     WINDOW=WINDOW, BLOCK_M=BLOCK_M, ATOMIC_DQ=ATOMIC_DQ, DOT_PRECISION=DOT_PRECISION,
+                                     SOFTCAP=SOFTCAP)
 
     # ---- store; S was scaled by sm_scale, so dK picks it up once here
     dk = dk * sm_scale
@@ -188,9 +199,9 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask,
-                  k_start, k_end, n_k, shift, win_left, win_right, qk_scale,
+                  k_start, k_end, n_k, shift, win_left, win_right, qk_scale, softcap,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
-                  EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     """Fold key tiles ``[k_start, k_end)`` into dQ; padding keys load as zero and add nothing."""
     for start_n in range(k_start, k_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -198,12 +209,14 @@ def _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, o
         k, v = _load_kv(k_ptrs + offs_n[:, None].to(tl.int64) * stride_kn,
                         v_ptrs + offs_n[:, None].to(tl.int64) * stride_vn, offs_n, n_k, d_mask, MASKED, EVEN_D)
         # ---- P = exp(S - L), dP = dO Vᵀ, dS = P (dP - D), dQ += dS K
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s, tanh_s = _scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale, softcap, SOFTCAP)
         p = tl.math.exp2(s - lse[:, None])
         if MASKED:
             p = tl.where(_visible(offs_m, offs_n, n_k, shift, win_left, win_right, CAUSAL, WINDOW), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:  # through the cap: d(c tanh(s / c)) / ds = 1 - tanh²
+            ds = ds * (1.0 - tanh_s * tanh_s)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
     return dq
 
@@ -214,10 +227,10 @@ def _bwd_dq_kernel(
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
     stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh,
-    n_heads, group, bh_start, n_q, n_k, d_head, qk_scale, sm_scale, win_left, win_right,
+    n_heads, group, bh_start, n_q, n_k, d_head, qk_scale, sm_scale, win_left, win_right, softcap,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b, h, q_start, n_q, k_start, n_k = _sequence(tl.program_id(1) + bh_start, n_heads, CU_Q, CU_K, n_q, n_k, VARLEN)
     start_m = _query_tile_start(tl.program_id(0), n_q, CAUSAL, BLOCK_M)
@@ -246,14 +259,17 @@ def _bwd_dq_kernel(
     key_lo, full_lo, full_hi, key_hi = _key_ranges(start_m, n_q, n_k, win_left, win_right, BLOCK_M, BLOCK_N)
     if WINDOW:
         dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask,
-                           key_lo, full_lo, n_k, shift, win_left, win_right, qk_scale, MASKED=True, CAUSAL=CAUSAL,
-                           WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION)
+                           key_lo, full_lo, n_k, shift, win_left, win_right, qk_scale, softcap, MASKED=True,
+                           CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
+                           DOT_PRECISION=DOT_PRECISION, SOFTCAP=SOFTCAP)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask,
-                       full_lo, full_hi, n_k, shift, win_left, win_right, qk_scale, MASKED=False, CAUSAL=CAUSAL,
-                       WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION)
+                       full_lo, full_hi, n_k, shift, win_left, win_right, qk_scale, softcap, MASKED=False,
+                       CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
+                       SOFTCAP=SOFTCAP)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask,
-                       full_hi, key_hi, n_k, shift, win_left, win_right, qk_scale, MASKED=True, CAUSAL=CAUSAL,
-                       WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION)
+                       full_hi, key_hi, n_k, shift, win_left, win_right, qk_scale, softcap, MASKED=True,
+                       CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
+                       SOFTCAP=SOFTCAP)
 
     dq = dq * sm_scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + rows_m * stride_dqm + offs_d[None, :],

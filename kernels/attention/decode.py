@@ -15,7 +15,6 @@ import triton.language as tl
 from .._common import ASSUMED_SM_COUNT, MAX_GRID_AXIS1, on_gpu, sm_count
 from .forward import _fwd_kernel
 from .layout import _block_d, _strides3
-from .tiles import LOG2E
 
 #: Flash-decoding: at most this many queries per (batch, head), at least this many keys, before the keys are
 #: split across programs whose partial results a second kernel combines by their logsumexps.
@@ -38,11 +37,12 @@ def _decode_splits(n_bh: int, n_q: int, n_k: int, block_n: int, device: torch.de
     return max(1, min(triton.cdiv(2 * sms, n_bh), triton.cdiv(n_k, block_n)))
 
 
-def split_kv_forward(args, o4, lse, lse_strides, splits, h, group, n_q, n_k, d, softmax_scale, win_left,
-                     win_right, common, device, cache=(0, 0), max_block_n=None):
+def split_kv_forward(args, o4, lse, lse_strides, splits, h, group, n_q, n_k, d, qk_scale, win_left,
+                     win_right, common, device, tail=(0, 0, 1.0), max_block_n=None):
     """Run the split forward and the combine for a dense batch. ``args(o, lse, o_strides, lse_strides)`` gives the
-    forward kernel's leading arguments, ``cache`` its block-table stride and page size; ``common`` its shared
-    constexprs; ``max_block_n`` caps the key tile (a paged cache's block size)."""
+    forward kernel's leading arguments, ``tail`` its block-table stride, page size and softcap (:func:`.tiles._scores`,
+    like ``qk_scale``); ``common`` its shared constexprs; ``max_block_n`` caps the key tile (a paged cache's block
+    size)."""
     b_h = o4.shape[0] * h
     block_m, block_n, warps, stages = DECODE_CONFIG if on_gpu(device) else DECODE_INTERPRETER_CONFIG
     block_n = min(block_n, max_block_n or block_n)
@@ -52,8 +52,8 @@ def split_kv_forward(args, o4, lse, lse_strides, splits, h, group, n_q, n_k, d, 
     o_part = torch.empty(splits, b_h, block_m, _block_d(d), dtype=torch.float32, device=device)
     lse_part = torch.empty(splits, b_h, block_m, dtype=torch.float32, device=device)
     _fwd_kernel[(splits, b_h)](
-        *args(o_part, lse_part, (0, 0, 0), (0, 0)), h, group, 0, n_q, n_k, d, softmax_scale * LOG2E,
-        win_left, win_right, split_size, *cache, SPLIT_KV=True, BLOCK_M=block_m, BLOCK_N=block_n, **common,
+        *args(o_part, lse_part, (0, 0, 0), (0, 0)), h, group, 0, n_q, n_k, d, qk_scale,
+        win_left, win_right, split_size, *tail, SPLIT_KV=True, BLOCK_M=block_m, BLOCK_N=block_n, **common,
         num_warps=warps, num_stages=stages)
     _split_combine_kernel[(b_h,)](o_part, lse_part, o4, lse, *_strides3(o4), *lse_strides, h, splits, b_h,
                                   n_q, d, BLOCK_M=block_m, BLOCK_D=_block_d(d), num_warps=4)

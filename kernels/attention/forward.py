@@ -20,6 +20,7 @@ from .tiles import (
     _key_ranges,
     _load_kv,
     _query_tile_start,
+    _scores,
     _sequence,
     _visible,
 )
@@ -27,9 +28,9 @@ from .tiles import (
 
 @triton.jit
 def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
-               key_start, key_end, n_k, shift, win_left, win_right, qk_scale, bt_row, page_size,
+               key_start, key_end, n_k, shift, win_left, win_right, qk_scale, bt_row, page_size, softcap,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
-               EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGED: tl.constexpr):
+               EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGED: tl.constexpr, SOFTCAP: tl.constexpr):
     """Fold key tiles ``[key_start, key_end)`` into the running (acc, m_i, l_i)."""
     # the tile's first row advances by BLOCK_N rows per step (64-bit, one row of pointers); rows within a tile are
     # loop-invariant 32-bit offsets: no 64-bit multiply per row and no 2-D pointer tensor held across steps
@@ -47,7 +48,8 @@ def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, o
                         keys, n_k, d_mask, MASKED, EVEN_D)
         # ---- scores in log2 units (the scale multiplies the fp32 scores: folding it into Q once measured worse in
         # the SASS report, sm_90 d 128: 197 -> 235 registers, as Q then feeds the wgmma from registers)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        # (with SOFTCAP the tanh-capped scores, :func:`.tiles._scores`)
+        s, _ = _scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale, softcap, SOFTCAP)
         if MASKED:
             s = tl.where(_visible(offs_m, keys, n_k, shift, win_left, win_right, CAUSAL, WINDOW), s, float("-inf"))
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION=DOT_PRECISION)
@@ -73,8 +75,9 @@ def _fwd_kernel(
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
     n_heads, group, bh_start, n_q, n_k, d_head, qk_scale, win_left, win_right, split_size, stride_bt, page_size,
+    softcap,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, SPLIT_KV: tl.constexpr,
-    SEQUSED_K: tl.constexpr, PAGED: tl.constexpr,
+    SEQUSED_K: tl.constexpr, PAGED: tl.constexpr, LEFTPAD: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -82,7 +85,9 @@ def _fwd_kernel(
     # SPLIT_KV (decoding): grid axis 0 is the key split, not the query tile; the one query tile holds every query
     # and the program writes an unnormalised partial result (acc / l, and its lse) for the combine kernel
     # SEQUSED_K (a KV cache, flash_attn_with_kvcache): each sequence has its own key count SEQLEN_K[b] and its keys
-    # in cache row KV_BATCH[b]; PAGED: in blocks of page_size rows of one pool, listed by its BLOCK_TABLE row
+    # in cache row KV_BATCH[b]; PAGED: in blocks of page_size rows of one pool, listed by its BLOCK_TABLE row;
+    # LEFTPAD (dense caches): the sequence's keys start at cache row CU_K[b] (flash-attn's cache_leftpad)
+    # SOFTCAP: scores capped by softcap · tanh(s / softcap) (Gemma 2), qk_scale and softcap as in tiles._scores
     pid_bh = tl.program_id(1) + bh_start
     b, h, q_start, n_q, k_start, n_k = _sequence(pid_bh, n_heads, CU_Q, CU_K, n_q, n_k, VARLEN)
     b_kv = b
@@ -90,6 +95,11 @@ def _fwd_kernel(
         n_k = tl.load(SEQLEN_K + b)
         if not PAGED:
             b_kv = tl.load(KV_BATCH + b).to(tl.int64)
+            if LEFTPAD:
+                # keys [leftpad, n_k) counted from the first: the causal / window shift n_k - n_q is the same in
+                # these relative positions, so nothing below changes
+                k_start = tl.load(CU_K + b).to(tl.int64)
+                n_k = n_k - k_start.to(tl.int32)
     if PAGED:  # key rows are the sequence's own positions, found through its table row in the one pool
         b_kv = b * 0
         k_start = k_start * 0
@@ -133,16 +143,16 @@ def _fwd_kernel(
     if WINDOW or SPLIT_KV:  # (without a left bound, or a split start, the masked head range is empty)
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
                                    key_lo, full_lo, n_k, shift, win_left, win_right, qk_scale, bt_row, page_size,
-                                   MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
-                                   DOT_PRECISION=DOT_PRECISION, PAGED=PAGED)
+                                   softcap, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
+                                   DOT_PRECISION=DOT_PRECISION, PAGED=PAGED, SOFTCAP=SOFTCAP)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
                                full_lo, full_hi, n_k, shift, win_left, win_right, qk_scale, bt_row, page_size,
-                               MASKED=False, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
-                               DOT_PRECISION=DOT_PRECISION, PAGED=PAGED)
+                               softcap, MASKED=False, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
+                               DOT_PRECISION=DOT_PRECISION, PAGED=PAGED, SOFTCAP=SOFTCAP)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
                                full_hi, key_hi, n_k, shift, win_left, win_right, qk_scale, bt_row, page_size,
-                               MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
-                               DOT_PRECISION=DOT_PRECISION, PAGED=PAGED)
+                               softcap, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
+                               DOT_PRECISION=DOT_PRECISION, PAGED=PAGED, SOFTCAP=SOFTCAP)
 
     # ---- epilogue: normalise; rows without a visible key give 0 and L = -inf
     empty = l_i == 0.0

@@ -11,8 +11,9 @@ backward that adds dQ with fp32 atomics inside the dK/dV kernel (fewer matmuls, 
 True the two-kernel backward whose every gradient is bitwise reproducible. ``flash_attn_varlen_func`` launches
 without a host sync, trusting ``max_seqlen_q/k`` as flash-attn does; ``cu_seqlens`` values are checked only
 where reading them is free (CPU tensors); with ``block_table`` it reads keys from a paged pool (prefill; forward
-only). What is not built — dropout, ALiBi, softcapping, returning attention probabilities — is a one-line
-error naming the argument, never silently ignored. The kernels never visit a key tile outside a query's
+only). ``softcap > 0`` caps the scaled scores at ``softcap · tanh(s / softcap)`` before the softmax (forward and
+backward). What is not built — dropout, ALiBi, returning attention probabilities — is a one-line error naming the
+argument, never silently ignored. The kernels never visit a key tile outside a query's
 sequence or window.
 """
 
@@ -26,8 +27,8 @@ from .launch import FlashAttention
 def _unsupported(op: str, dropout_p, softcap, alibi_slopes, return_attn_probs, block_table=None) -> None:
     if dropout_p:
         raise NotImplementedError(f"{op}: dropout_p={dropout_p} is not supported (attention dropout is not built)")
-    if softcap:
-        raise NotImplementedError(f"{op}: softcap={softcap} is not supported")
+    if not isinstance(softcap, (int, float)) or softcap < 0 or softcap != softcap or softcap == float("inf"):
+        raise ValueError(f"{op}: softcap must be a finite number >= 0 (0: no cap), got {softcap!r}")
     if alibi_slopes is not None:
         raise NotImplementedError(f"{op}: alibi_slopes is not supported")
     if return_attn_probs:
@@ -73,7 +74,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     window = _check_window(op, window_size)
     # [batch, seq, heads, d] -> [batch, heads, seq, d] views: the kernel takes any strides, nothing is copied
     out = FlashAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bool(causal), softmax_scale,
-                               window, None, None, 0, 0, bool(deterministic))
+                               window, None, None, 0, 0, bool(deterministic), float(softcap))
     return out.transpose(1, 2)
 
 
@@ -102,7 +103,7 @@ def _check_cu_seqlens(op: str, name: str, cu: torch.Tensor, total: int | None, m
 
 
 def _paged_varlen(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                  window_size, block_table):
+                  window_size, block_table, softcap):
     """``flash_attn_varlen_func`` over a paged pool (its docstring): the forward kernel reads key tiles through the
     block table."""
     import math
@@ -134,7 +135,7 @@ def _paged_varlen(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
     out, _ = flash_attention_forward(q, k.view(-1, kv_heads, d), v.view(-1, kv_heads, d), bool(causal), scale, window,
                                      cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                                     block_table=block_table, page_size=page_size)
+                                     block_table=block_table, page_size=page_size, softcap=float(softcap))
     return out
 
 
@@ -158,7 +159,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _unsupported(op, dropout_p, softcap, alibi_slopes, return_attn_probs)
     if block_table is not None:
         return _paged_varlen(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                             causal, window_size, block_table)
+                             causal, window_size, block_table, softcap)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise ValueError(f"{op}: {name} must be [total_tokens, heads, d], got {tuple(t.shape)}")
@@ -171,4 +172,4 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if n_q != n_k:
         raise ValueError(f"{op}: cu_seqlens_q describes {n_q} sequences but cu_seqlens_k {n_k}")
     return FlashAttention.apply(q, k, v, bool(causal), softmax_scale, window, cu_seqlens_q, cu_seqlens_k,
-                                int(max_seqlen_q), int(max_seqlen_k), bool(deterministic))
+                                int(max_seqlen_q), int(max_seqlen_k), bool(deterministic), float(softcap))

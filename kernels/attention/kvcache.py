@@ -6,11 +6,15 @@ sequence ``b`` lives in block ``block_table[b, p // page_size]`` at row ``p % pa
 how many positions each sequence holds. New keys / values ``k, v [batch, seqlen_new, kv_heads, d]`` are written into
 the cache in place at positions ``cache_seqlens[b] + j`` (after RoPE when ``rotary_cos/sin`` are given) and attended
 in the same call; sequence ``b`` then has ``cache_seqlens[b] + seqlen_new`` keys, and causal masks align the queries
-to its last positions (bottom-right). Every step runs on the device without a host sync; the forward kernel reads
+to its last positions (bottom-right). ``cache_leftpad [batch]`` (int32, dense caches) says where each sequence's
+keys start: positions before it are padding, never attended (RoPE positions stay cache positions, as in
+flash-attn). ``rotary_cos/sin [seqlen_ro, rotary_dim / 2]`` rotate the first ``rotary_dim`` dims of q and the new
+k (``rotary_dim`` even, at most ``d``); the rest pass through. Every step runs on the device without a host sync; the forward kernel reads
 each sequence's key count, cache row and block table itself (split over programs for few queries and long caches,
 the flash-decoding path).
 
-Not built, each a one-line error: ``alibi_slopes``, ``softcap``, ``cache_leftpad``, ``rotary_dim < d``.
+Not built, each a one-line error: ``alibi_slopes``, and ``cache_leftpad`` with a paged cache (flash-attn refuses
+that combination too).
 """
 
 from __future__ import annotations
@@ -64,8 +68,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     See the module docstring; not differentiable (an inference entry point, as in flash-attn)."""
     op = "flash_attn_with_kvcache"
     _unsupported(op, 0.0, softcap, alibi_slopes, False)
-    if cache_leftpad is not None:
-        raise NotImplementedError(f"{op}: cache_leftpad is not supported")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{op}: {name} must be a 4-D tensor, got {tuple(getattr(t, 'shape', ()))}")
@@ -111,6 +113,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 raise TypeError(f"{op}: cache_batch_idx must be int32 [{batch}], got {cache_batch_idx.dtype} "
                                 f"{tuple(cache_batch_idx.shape)}")
             kv_batch = cache_batch_idx
+    if cache_leftpad is not None:
+        if paged:
+            raise NotImplementedError(f"{op}: cache_leftpad with a paged cache (block_table) is not supported")
+        if not isinstance(cache_leftpad, torch.Tensor) or cache_leftpad.dtype != torch.int32 \
+                or cache_leftpad.shape != (batch,) or cache_leftpad.device != q.device:
+            raise TypeError(f"{op}: cache_leftpad must be an int32 [{batch}] tensor on {q.device}, got "
+                            f"{getattr(cache_leftpad, 'dtype', type(cache_leftpad).__name__)} "
+                            f"{tuple(getattr(cache_leftpad, 'shape', ()))}")
+        _check_leftpad(cache_leftpad, lengths)
 
     # ---- new keys and values: RoPE at their positions, then written into the cache in place
     new = 0
@@ -127,6 +138,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _check_fits(total, capacity, "the block table" if paged else "k_cache")
     positions = lengths[:, None].long() + torch.arange(max(new, seqlen_q), device=q.device)  # [batch, positions]
     if rotary_cos is not None:
+        if rotary_sin is None or rotary_cos.dim() != 2 or rotary_cos.shape[0] < capacity:
+            raise ValueError(f"{op}: rotary_cos/sin must be [seqlen_ro, rotary_dim / 2] with seqlen_ro >= the cache's "
+                             f"{capacity} positions, got {tuple(rotary_cos.shape)}")
         q, k = _rotate(op, q, k, rotary_cos, rotary_sin, positions, causal or window != (-1, -1), seqlen_q, new,
                        rotary_interleaved)
     if new:
@@ -149,27 +163,45 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         k4, v4 = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     out, lse = flash_attention_forward(q.transpose(1, 2), k4, v4, bool(causal), scale, window, seqused_k=total,
                                        kv_batch=kv_batch, block_table=block_table, page_size=page_size,
-                                       max_seqlen_k=capacity, num_splits=num_splits)
+                                       max_seqlen_k=capacity, num_splits=num_splits, softcap=float(softcap),
+                                       leftpad=cache_leftpad)
     out = out.transpose(1, 2)
     return (out, lse) if return_softmax_lse else out
+
+
+def _check_leftpad(leftpad: torch.Tensor, lengths: torch.Tensor) -> None:
+    """``0 <= cache_leftpad <= cache_seqlens``: checked where both are on the CPU, by a device assert elsewhere."""
+    if leftpad.device.type == "cpu" and lengths.device.type == "cpu":
+        if bool(((leftpad < 0) | (leftpad > lengths)).any()):
+            raise ValueError(f"flash_attn_with_kvcache: cache_leftpad must be in [0, cache_seqlens]; got "
+                             f"{leftpad.tolist()} for cache_seqlens {lengths.tolist()}")
+    else:
+        torch._assert_async(((leftpad >= 0) & (leftpad <= lengths)).all(),
+                            "flash_attn_with_kvcache: cache_leftpad must be in [0, cache_seqlens]")
 
 
 def _rotate(op, q, k, cos, sin, positions, causal_or_local, seqlen_q, new, interleaved):
     """RoPE on q and the new k with the RoPE kernel: k at its cache positions; q at the same positions when causal
     or windowed (its rows are the sequence's last), else every query at the first new position (flash-attn's
-    rule)."""
+    rule). With ``rotary_dim < d`` only the first ``rotary_dim`` dims turn."""
     from ..rope import apply_rope
 
     if cos.dim() != 2 or sin.shape != cos.shape:
         raise ValueError(f"{op}: rotary_cos and rotary_sin must be [seqlen_ro, rotary_dim / 2], got "
                          f"{tuple(cos.shape)} and {tuple(getattr(sin, 'shape', ()))}")
-    if 2 * cos.shape[1] != q.shape[-1]:
-        raise NotImplementedError(f"{op}: rotary_dim {2 * cos.shape[1]} < head dim {q.shape[-1]} is not supported")
+    rotary_dim = 2 * cos.shape[1]
+    if not 0 < rotary_dim <= q.shape[-1]:
+        raise ValueError(f"{op}: rotary_dim {rotary_dim} (2 x rotary_cos.shape[1]) must be in [2, {q.shape[-1]}]")
     layout = "interleaved" if interleaved else "half"
+
+    def turn(x, pos):  # x [batch, seq, heads, d] at pos [batch, seq]
+        part = x[..., :rotary_dim].transpose(1, 2)
+        turned = apply_rope(part, None, pos[:, None, :], cos=cos, sin=sin, check_positions=False,
+                            layout=layout).transpose(1, 2)
+        return turned if rotary_dim == x.shape[-1] else torch.cat((turned, x[..., rotary_dim:]), dim=-1)
+
     q_pos = positions[:, :seqlen_q] if causal_or_local else positions[:, :1].expand(-1, seqlen_q)
-    q = apply_rope(q.transpose(1, 2), None, q_pos[:, None, :], cos=cos, sin=sin, check_positions=False,
-                   layout=layout).transpose(1, 2)
+    q = turn(q, q_pos)
     if k is not None and new:
-        k = apply_rope(k.transpose(1, 2), None, positions[:, None, :new], cos=cos, sin=sin, check_positions=False,
-                       layout=layout).transpose(1, 2)
+        k = turn(k, positions[:, :new])
     return q, k

@@ -41,6 +41,14 @@ from .forward import _fwd_kernel, _fwd_kernel_tma
 from .layout import _as_4d, _block_d, _dot_precision, _empty_4d_like, _has_window, _strides3, _window
 from .tiles import LOG2E
 
+
+def score_scales(softmax_scale: float, softcap: float) -> tuple[float, float]:
+    """``(qk_scale, softcap)`` kernel arguments (:func:`.tiles._scores`): without a cap the scale in log2 units;
+    with a cap ``c`` the tanh's input scale ``softmax_scale / c`` and the cap in log2 units ``c · log2(e)``."""
+    if softcap:
+        return softmax_scale / softcap, softcap * LOG2E
+    return softmax_scale * LOG2E, 1.0
+
 # ----------------------------------------------------------------------------------------------------
 # launch configuration
 # ----------------------------------------------------------------------------------------------------
@@ -133,14 +141,16 @@ def _bwd_config(d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, 
 def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, window=(-1, -1),
                             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0, *,
                             seqused_k=None, kv_batch=None, block_table=None, page_size: int = 0,
-                            num_splits: int = 0):
+                            num_splits: int = 0, softcap: float = 0.0, leftpad=None):
     """Returns ``(o, lse)``: ``o`` like ``q``; ``lse`` fp32 ``q.shape[:-1]`` for batches, ``[heads, total_q]``
     for packed sequences (``cu_seqlens_*`` given, ``q[total_q, heads, d]``).
 
     KV caches (:func:`.kvcache.flash_attn_with_kvcache`): ``seqused_k`` (int32 ``[batch]``) gives each sequence's
     key count and ``max_seqlen_k`` the capacity; the keys of sequence b are row ``kv_batch[b]`` of ``k[rows, kv_heads,
     positions, d]`` (dense), or with ``block_table`` the rows of ``k[1, kv_heads, pool_rows, d]`` its table lists,
-    ``page_size`` per block. ``num_splits``: 0 chooses, 1 none, more splits the keys over that many programs."""
+    ``page_size`` per block. ``num_splits``: 0 chooses, 1 none, more splits the keys over that many programs.
+    ``softcap > 0`` caps the scaled scores at ``softcap · tanh(s / softcap)`` (flash-attn's softcap). ``leftpad``
+    (int32 ``[batch]``, dense caches): sequence b's keys are cache positions ``[leftpad[b], seqused_k[b])``."""
     packed = cu_seqlens_q is not None
     cache = seqused_k is not None
     paged = block_table is not None
@@ -163,10 +173,13 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
         return o, lse
     win_left, win_right = _window(is_causal, window, n_q, n_k)
     cu_q = cu_seqlens_q if packed else lse  # (unused pointers for batches / dense caches)
-    cu_k = cu_seqlens_k if packed else lse
+    cu_k = cu_seqlens_k if packed else (leftpad if leftpad is not None else lse)
     common = dict(CAUSAL=is_causal, WINDOW=_has_window(is_causal, window), VARLEN=packed, BLOCK_D=_block_d(d),
-                  EVEN_D=d == _block_d(d), SEQUSED_K=cache, PAGED=paged, **_dot_precision(q.dtype))
-    cache_args = (block_table.stride(0) if paged else 0, page_size)
+                  EVEN_D=d == _block_d(d), SEQUSED_K=cache, PAGED=paged, SOFTCAP=bool(softcap),
+                  LEFTPAD=leftpad is not None,
+                  **_dot_precision(q.dtype))
+    qk_scale, cap = score_scales(softmax_scale, softcap)
+    cache_args = (block_table.stride(0) if paged else 0, page_size, cap)
     args = lambda o_arg, lse_arg, o_strides, l_strides: (  # noqa: E731
         q4, k4, v4, o_arg, lse_arg, cu_q, cu_k, seqused_k if cache else lse,
         kv_batch if kv_batch is not None else lse, block_table if paged else lse, *_strides3(q4, packed),
@@ -181,13 +194,13 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
         splits = decode._decode_splits(b * h, n_q, n_k, decode.DECODE_CONFIG[1], q.device)
     if splits > 1:
         # ---- flash-decoding: keys split over programs, partials combined by their logsumexps
-        decode.split_kv_forward(args, o4, lse, lse_strides, splits, h, group, n_q, n_k, d, softmax_scale, win_left,
+        decode.split_kv_forward(args, o4, lse, lse_strides, splits, h, group, n_q, n_k, d, qk_scale, win_left,
                                 win_right, common, q.device, cache_args, max_block_n)
         return o, lse
     block_m, block_n, warps, stages = _fwd_config(d, q.dtype, q.device)
     if paged:
         block_n = min(block_n, max_block_n)
-    if (not packed and not cache and not common["WINDOW"] and _tma_selected(d, q.dtype, q.device)
+    if (not packed and not cache and not common["WINDOW"] and not softcap and _tma_selected(d, q.dtype, q.device)
             and b * h <= MAX_GRID_AXIS1 and _tma_ready(q4, k4, v4, o4)):
         # ---- Hopper TMA variant (chosen only by a tuned table / the sweep): dense attention, descriptor loads;
         # descriptors index whole tensors, so it runs as one launch (more batch x heads keep the default kernel)
@@ -206,7 +219,7 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
     for bh_start, n_bh in grid_axis1_launches(b * h):
         _fwd_kernel[(triton.cdiv(n_q, block_m), n_bh)](
             *args(o4, lse, _strides3(o4, packed), lse_strides), h, group, bh_start, n_q, n_k, d,
-            softmax_scale * LOG2E, win_left, win_right, 0, *cache_args, SPLIT_KV=False, BLOCK_M=block_m,
+            qk_scale, win_left, win_right, 0, *cache_args, SPLIT_KV=False, BLOCK_M=block_m,
             BLOCK_N=block_n,
             **common, num_warps=warps, num_stages=stages)
     return o, lse
@@ -214,9 +227,10 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
 
 def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale: float, window=(-1, -1),
                              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
-                             deterministic: bool = True):
+                             deterministic: bool = True, softcap: float = 0.0):
     """Returns ``(dq, dk, dv)`` laid out like q, k, v. ``deterministic=False`` accumulates dQ with fp32 atomics
-    inside the dK/dV kernel instead of running the dQ kernel (fewer matmuls; summation order varies by run)."""
+    inside the dK/dV kernel instead of running the dQ kernel (fewer matmuls; summation order varies by run).
+    ``softcap``: the forward's logit cap (the gradient goes through ``1 - tanh²``)."""
     packed = cu_seqlens_q is not None
     q4, k4, v4, o4, do4 = (_as_4d(t, packed) for t in (q, k, v, o, do))
     b, h, n_q, d = q4.shape
@@ -243,21 +257,21 @@ def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale
     pre_m = 64
     block_m, block_n, warps, stages = _bwd_config(d, q.dtype, q.device)
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, VARLEN=packed, CAUSAL=is_causal,
-                 WINDOW=_has_window(is_causal, window), num_warps=warps, num_stages=stages,
+                 WINDOW=_has_window(is_causal, window), SOFTCAP=bool(softcap), num_warps=warps, num_stages=stages,
                  **_dot_precision(q.dtype))
-    qk_scale = softmax_scale * LOG2E
+    qk_scale, cap = score_scales(softmax_scale, softcap)
     q_s, k_s, v_s, do_s = (_strides3(t, packed) for t in (q4, k4, v4, do4))
     for bh_start, n_bh in grid_axis1_launches(b * h):
         _bwd_preprocess[(triton.cdiv(n_q, pre_m), n_bh)](
             o4, do4, delta, cu_q, cu_k, *_strides3(o4, packed), *do_s, *lse_strides, h, bh_start, n_q, d,
             VARLEN=packed, BLOCK_M=pre_m, BLOCK_D=block_d)
-    if (deterministic and not packed and not tiles["WINDOW"] and _tma_selected(d, q.dtype, q.device, "attention_bwd")
+    if (deterministic and not packed and not tiles["WINDOW"] and not softcap and _tma_selected(d, q.dtype, q.device, "attention_bwd")
             and b * max(h, h_kv) <= MAX_GRID_AXIS1 and _tma_ready(q4, k4, v4, do4, dq4, dk4, dv4)):
         # ---- Hopper TMA variant (chosen only by a tuned table / the sweep): descriptor loads, same math
         _set_tma_allocator(q.device)
         shapes = (b, h, h_kv, group, n_q, n_k, d, qk_scale, softmax_scale)
         opts = dict(CAUSAL=is_causal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps,
-                    num_stages=stages, **_dot_precision(q.dtype))
+                    num_stages=stages, **_dot_precision(q.dtype))  # (no SOFTCAP: the TMA kernels never cap)
         _bwd_dkdv_kernel_tma[(triton.cdiv(n_k, block_n), b * h_kv)](
             q4, k4, v4, do4, lse, delta, dk4, dv4, *q_s, *k_s, *v_s, *do_s, *_strides3(dk4), *_strides3(dv4),
             *lse_strides, *shapes, **opts)
@@ -268,6 +282,11 @@ def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale
         # the atomic variant holds a dQ tile besides dK/dV: 64-query tiles spill at d 128 (80 B on sm_90)
         block_m = min(block_m, 32)
         tiles["BLOCK_M"] = block_m
+    dkdv_tiles = dict(tiles)
+    if softcap and block_d >= 128 and on_gpu(q.device) and gpu_capability(q.device) >= 90:
+        # the softcap's tanh tile on top of 64-query tiles spills on sm_90 at d 128 (64 B, 255 registers);
+        # 32-query tiles in the dK/dV kernel are spill-free on wgmma (203 registers; SASS report softcap rows)
+        dkdv_tiles["BLOCK_M"] = min(block_m, 32)
     # dK/dV: one program per (key tile, batch, kv head), summing its group of query heads (needs every D above);
     # non-deterministic variant: an fp32 dQ buffer laid out [b, h, rows, d] like q4 that the dK/dV kernel adds into
     dq_acc = torch.zeros(q4.shape, dtype=torch.float32, device=q.device) if not deterministic else dq4
@@ -275,15 +294,15 @@ def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale
         _bwd_dkdv_kernel[(triton.cdiv(n_k, block_n), n_bh)](
             q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc, cu_q, cu_k, *q_s, *k_s, *v_s, *do_s,
             *_strides3(dk4, packed), *_strides3(dv4, packed), *lse_strides, *_strides3(dq_acc, packed),
-            h_kv, group, bh_start, n_q, n_k, d, qk_scale, softmax_scale, win_left, win_right, GQA=group > 1,
-            ATOMIC_DQ=not deterministic, EVEN_D=d == block_d, **tiles)
+            h_kv, group, bh_start, n_q, n_k, d, qk_scale, softmax_scale, win_left, win_right, cap, GQA=group > 1,
+            ATOMIC_DQ=not deterministic, EVEN_D=d == block_d, **dkdv_tiles)
     if not deterministic:
         dq4.copy_(dq_acc.mul_(softmax_scale))
         return dq, dk, dv
     for bh_start, n_bh in grid_axis1_launches(b * h):
         _bwd_dq_kernel[(triton.cdiv(n_q, block_m), n_bh)](
             q4, k4, v4, do4, lse, delta, dq4, cu_q, cu_k, *q_s, *k_s, *v_s, *do_s, *_strides3(dq4, packed),
-            *lse_strides, h, group, bh_start, n_q, n_k, d, qk_scale, softmax_scale, win_left, win_right,
+            *lse_strides, h, group, bh_start, n_q, n_k, d, qk_scale, softmax_scale, win_left, win_right, cap,
             EVEN_D=d == block_d, **tiles)
     return dq, dk, dv
 
@@ -294,15 +313,15 @@ def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale
 @torch.library.custom_op("tritonlm::flash_attention_fwd", mutates_args=())
 def _fa_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, softmax_scale: float,
                window_left: int, window_right: int, cu_seqlens_q: torch.Tensor | None,
-               cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int
+               cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, softcap: float = 0.0
                ) -> tuple[torch.Tensor, torch.Tensor]:
     return flash_attention_forward(q, k, v, is_causal, softmax_scale, (window_left, window_right), cu_seqlens_q,
-                                   cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, softcap=softcap)
 
 
 @_fa_fwd_op.register_fake
 def _(q, k, v, is_causal, softmax_scale, window_left, window_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-      max_seqlen_k):
+      max_seqlen_k, softcap=0.0):
     packed = cu_seqlens_q is not None
     lse_shape = (q.shape[1], q.shape[0]) if packed else q.shape[:-1]
     return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
@@ -312,14 +331,15 @@ def _(q, k, v, is_causal, softmax_scale, window_left, window_right, cu_seqlens_q
 def _fa_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                lse: torch.Tensor, is_causal: bool, softmax_scale: float, window_left: int, window_right: int,
                cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
-               max_seqlen_k: int, deterministic: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               max_seqlen_k: int, deterministic: bool = True, softcap: float = 0.0
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return flash_attention_backward(do, q, k, v, o, lse, is_causal, softmax_scale, (window_left, window_right),
-                                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic)
+                                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic, softcap)
 
 
 @_fa_bwd_op.register_fake
 def _(do, q, k, v, o, lse, is_causal, softmax_scale, window_left, window_right, cu_seqlens_q, cu_seqlens_k,
-      max_seqlen_q, max_seqlen_k, deterministic=True):
+      max_seqlen_q, max_seqlen_k, deterministic=True, softcap=0.0):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -361,11 +381,12 @@ class FlashAttention(torch.autograd.Function):
     (-1 = unbounded, flash-attn's convention) and packed sequences (``cu_seqlens_q/k`` with ``q[total, heads, d]``).
     ``deterministic=False`` (the last argument) selects the backward that adds dQ with atomics inside the dK/dV
     kernel (fewer matmuls, run-to-run summation order varies); the default keeps every gradient deterministic.
+    ``softcap`` (after it): flash-attn's logit softcap, ``softcap · tanh(s / softcap)`` of the scaled scores.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal=False, softmax_scale=None, window=None, cu_seqlens_q=None,
-                cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, deterministic=True):
+                cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, deterministic=True, softcap=0.0):
         if cu_seqlens_q is None:
             check_attention_inputs("FlashAttention", q, k, v)
         check_float("FlashAttention", q)
@@ -375,14 +396,18 @@ class FlashAttention(torch.autograd.Function):
             raise ValueError(f"FlashAttention: head dim {d} > 256 is not supported")
         scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
         window = (-1, -1) if window is None else (int(window[0]), int(window[1]))
+        softcap = float(softcap or 0.0)
+        if softcap < 0 or not math.isfinite(softcap):
+            raise ValueError(f"FlashAttention: softcap must be a finite number >= 0 (0: no cap), got {softcap}")
         extra = (window[0], window[1], cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
         with kernel_range("tritonlm::flash_attention_fwd"):
             if use_custom_op(q):
-                o, lse = _fa_fwd_op(q, k, v, bool(is_causal), scale, *extra)
+                o, lse = _fa_fwd_op(q, k, v, bool(is_causal), scale, *extra, softcap)
             else:
-                o, lse = flash_attention_forward(q, k, v, bool(is_causal), scale, window, *extra[2:])
+                o, lse = flash_attention_forward(q, k, v, bool(is_causal), scale, window, *extra[2:], softcap=softcap)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.is_causal, ctx.scale, ctx.extra, ctx.deterministic = bool(is_causal), scale, extra, bool(deterministic)
+        ctx.softcap = softcap
         return o
 
     @staticmethod
@@ -392,15 +417,19 @@ class FlashAttention(torch.autograd.Function):
         extra = ctx.extra
         with kernel_range("tritonlm::flash_attention_bwd"):
             if use_custom_op(q):
-                dq, dk, dv = _fa_bwd_op(do, q, k, v, o, lse, ctx.is_causal, ctx.scale, *extra, ctx.deterministic)
+                dq, dk, dv = _fa_bwd_op(do, q, k, v, o, lse, ctx.is_causal, ctx.scale, *extra, ctx.deterministic,
+                                        ctx.softcap)
             else:
                 dq, dk, dv = flash_attention_backward(do, q, k, v, o, lse, ctx.is_causal, ctx.scale, extra[:2],
-                                                      *extra[2:], deterministic=ctx.deterministic)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+                                                      *extra[2:], deterministic=ctx.deterministic,
+                                                      softcap=ctx.softcap)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
-                    softmax_scale: float | None = None, *, deterministic: bool = True) -> torch.Tensor:
+                    softmax_scale: float | None = None, *, deterministic: bool = True,
+                    softcap: float = 0.0) -> torch.Tensor:
     """Functional entry point: ``softmax(q kᵀ · scale [+ causal mask]) v`` via :class:`FlashAttention`.
-    ``deterministic=False``: the atomic-dQ backward (see :class:`FlashAttention`)."""
-    return FlashAttention.apply(q, k, v, is_causal, softmax_scale, None, None, None, 0, 0, deterministic)
+    ``deterministic=False``: the atomic-dQ backward (see :class:`FlashAttention`); ``softcap > 0``: scores
+    ``softcap · tanh(s / softcap)`` (Gemma 2's attention logit cap)."""
+    return FlashAttention.apply(q, k, v, is_causal, softmax_scale, None, None, None, 0, 0, deterministic, softcap)

@@ -35,8 +35,8 @@ def _fp32_matmul_precision(setting: str):
 
 def _sass_cases(quick: bool) -> list[_registry.SassCase]:
     """Causal batch 1 x 16 heads x 4096 at d 64 / 128, forward and each backward kernel (bf16; fp32 too in the full
-    report); the fp32 forward under both matmul precisions (quick); then, bf16 d 128: GQA, the TMA variants, packed
-    documents, a sliding window, and split-KV decoding with its combine kernel."""
+    report); the fp32 forward under both matmul precisions (quick); then, bf16 d 128: GQA, the TMA variants, the
+    logit softcap, packed documents, a sliding window, and split-KV decoding with its combine kernel."""
     meta = torch.device("meta")
     cases = []
     for dtype in _registry.SASS_DTYPES:
@@ -88,6 +88,18 @@ def _sass_cases(quick: bool) -> list[_registry.SassCase]:
                            context=lambda: tuned.override("attention_bwd", TMA=1)),
         _registry.SassCase(gqa, lambda: flash_attention_backward(q, q, kv, kv, q, lse, True, 0.1),
                            (L("attention.gqa_bwd_dkdv", 1, 8 * flops),)),
+    ]
+    # Gemma 2's attention logit softcap (tanh of every score, and 1 - tanh² in the backward), 16 heads
+    q16 = torch.empty(1, 16, 4096, d, dtype=dtype, device=meta)
+    lse16 = torch.empty(1, 16, 4096, dtype=torch.float32, device=meta)
+    flops16 = 16 * _causal_pairs(4096) * d
+    cases += [
+        _registry.SassCase("1x16x4096x128 causal softcap 50 bf16",
+                           lambda: flash_attention_forward(q16, q16, q16, True, 0.1, softcap=50.0),
+                           (L("attention.softcap_fwd", 0, 4 * flops16),)),
+        _registry.SassCase("1x16x4096x128 causal softcap 50 bf16",
+                           lambda: flash_attention_backward(q16, q16, q16, q16, q16, lse16, True, 0.1, softcap=50.0),
+                           (L("attention.softcap_bwd_dkdv", 1, 8 * flops16), L("attention.softcap_bwd_dq", 2, 6 * flops16))),
     ]
     packed = torch.empty(8192, 16, d, dtype=dtype, device=meta)
     cu = torch.empty(9, dtype=torch.int32, device=meta)

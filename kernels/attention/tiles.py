@@ -91,6 +91,21 @@ def _visible(queries, keys, n_k, shift, win_left, win_right, CAUSAL: tl.constexp
     return visible
 
 
+@triton.jit
+def _scores(qk, qk_scale, softcap, SOFTCAP: tl.constexpr):
+    """Scores in log2 units from the raw products ``qk = q·kᵀ``, and the tanh the softcap backward needs.
+
+    Without ``SOFTCAP``: ``qk · qk_scale`` (``qk_scale = softmax_scale · log2(e)``), tanh unused (returned as
+    ``qk``). With it (flash-attn's logit softcap ``c · tanh(s / c)`` of the scaled scores ``s``): ``qk_scale =
+    softmax_scale / c`` and ``softcap = c · log2(e)``, so the scores are ``softcap · t`` with ``t = tanh(qk ·
+    qk_scale)``; ``d(c · tanh(s / c)) / ds = 1 - t²``. tanh(y) = 1 - 2 / (exp(2y) + 1) saturates at ±1."""
+    x = qk * qk_scale
+    if SOFTCAP:
+        t = 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)  # exp(2y) = exp2(2 log2(e) y)
+        return t * softcap, t
+    return x, x
+
+
 # ----------------------------------------------------------------------------------------------------
 # forward
 # ----------------------------------------------------------------------------------------------------
