@@ -109,6 +109,17 @@ class MultiHeadSelfAttention(_ref.MultiHeadSelfAttention):
         # GQA: k, v keep their num_kv_heads heads; the kernel maps each query head to its kv head
         return _kernels().FlashAttention.apply(q, k, v, True)
 
+    def attend_paged(self, q, k, v, cache):
+        """The paged cache through ``flash_attn_with_kvcache``: the new keys written into the pool in place and
+        attended in one call; each sequence reads only its own blocks, up to its own length."""
+        pool = cache.cache
+        k_pool, v_pool = pool.pools(cache.index, k)
+        out = _kernels().flash_attn_with_kvcache(
+            q.transpose(-3, -2), k_pool, v_pool, k.transpose(-3, -2).to(k_pool.dtype),
+            v.transpose(-3, -2).to(v_pool.dtype), cache_seqlens=pool.cache_seqlens, block_table=pool.block_table,
+            causal=True)
+        return out.transpose(-3, -2)
+
     def attend_documents(self, q, k, v, documents):
         """Packed documents as varlen attention: ``[batch, heads, seq, d]`` -> ``[batch*seq, heads, d]`` views
         (no copy for head-split projections), one causal sequence per document, never a mask."""

@@ -14,7 +14,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from .cache import Documents, KVCache
+from .cache import Documents, KVCache, PagedKVCache
 from .config import ModelConfig
 from .functional import load_balancing_loss
 from .sampling import sample_next
@@ -224,7 +224,9 @@ class TransformerLM(nn.Module):
         loss instead (see :meth:`loss`, which is the documented way to ask for it).
 
         ``kv_caches`` (one :class:`~tritonlm.modules.reference.KVCache` per layer) makes the call
-        incremental: ``token_ids`` are then the positions after those already cached.
+        incremental: ``token_ids`` are then the positions after those already cached. The layers of a
+        :class:`~tritonlm.modules.cache.PagedKVCache` (``[cache.layer(i) ...]``, after ``cache.prepare``) do the
+        same for a batch of sequences of different lengths, each continuing from its own.
         """
         hidden = self.hidden_states(token_ids, token_positions, kv_caches, document_ids=document_ids)
         if targets is not None:
@@ -313,7 +315,9 @@ class TransformerLM(nn.Module):
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype, device=x.device)
         if self.position_encoding is not None:
             if token_positions is None:
-                token_positions = torch.arange(past, past + seq, device=token_ids.device)
+                paged = kv_caches and hasattr(kv_caches[0], "positions")  # (each sequence from its own length)
+                token_positions = (kv_caches[0].positions(seq) if paged
+                                   else torch.arange(past, past + seq, device=token_ids.device))
             x = self.position_encoding(x, token_positions)
         if self.config.norm_position == "post":
             for i, layer in enumerate(self.layers):
@@ -335,8 +339,9 @@ class TransformerLM(nn.Module):
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, eos_id: int | list[int] | None = None,
                  generator: torch.Generator | None = None,
-                 use_cache: bool = True, allowed: torch.Tensor | None = None) -> torch.Tensor:
-        """Sample up to ``max_new_tokens`` after ``prompt_ids`` (``[seq]`` or ``[batch, seq]``).
+                 use_cache: bool = True, allowed: torch.Tensor | None = None, page_size: int = 16):
+        """Sample up to ``max_new_tokens`` after ``prompt_ids`` (``[seq]`` or ``[batch, seq]``; or a list of prompts
+        of different lengths, see below).
 
         ``temperature=0`` is greedy; ``top_k`` keeps the k most likely tokens; ``top_p`` the smallest set
         whose probability reaches p. Stops early when every row has produced ``eos_id`` (one id, or a list of
@@ -346,7 +351,18 @@ class TransformerLM(nn.Module):
         context up front); when the context fills up, the cache is rebuilt from the most recent three quarters of
         the context. ``allowed`` (bool ``[vocab]``): only ids marked True are ever sampled, e.g. the ones a tokenizer can
         decode when the model's vocabulary is padded past it (as Hugging Face checkpoints often are).
+
+        Ragged batches: ``prompt_ids`` a list of 1-D prompts (lists or tensors) of any lengths returns a list of
+        1-D tensors, each prompt followed by its own continuation. Their keys and values live in one paged KV cache
+        (:class:`~tritonlm.modules.cache.PagedKVCache`, ``page_size`` positions per block): each prompt is prefilled on
+        its own, then every unfinished sequence advances one token per batched step, each attending only to its own
+        positions. A sequence stops on its own (``eos_id`` or ``max_new_tokens``) and frees its blocks at once.
+        Greedy decoding gives each prompt exactly the tokens it gets alone. Prompt + ``max_new_tokens`` must fit the
+        context (no sliding window here).
         """
+        if isinstance(prompt_ids, (list, tuple)) and prompt_ids and not isinstance(prompt_ids[0], int):
+            return self._generate_ragged(prompt_ids, max_new_tokens, temperature, top_k, top_p, eos_id, generator,
+                                         allowed, page_size)
         ids = torch.as_tensor(prompt_ids, device=self.lm_head.weight.device)
         squeeze = ids.dim() == 1
         if squeeze:
@@ -389,3 +405,62 @@ class TransformerLM(nn.Module):
         finally:
             self.train(was_training)
         return ids[0] if squeeze else ids
+
+    def _generate_ragged(self, prompts, max_new_tokens: int, temperature: float, top_k, top_p, eos_id, generator,
+                         allowed, page_size: int) -> list[torch.Tensor]:
+        """:meth:`generate` for a list of prompts of different lengths, through a paged KV cache (its docstring)."""
+        device = self.lm_head.weight.device
+        prompts = [torch.as_tensor(p, device=device).long() for p in prompts]
+        for i, p in enumerate(prompts):
+            if p.dim() != 1 or p.numel() == 0:
+                raise ValueError(f"prompt {i} must be a non-empty 1-D sequence of ids, got shape {tuple(p.shape)}")
+            if p.numel() + max_new_tokens > self.context_length:
+                raise ValueError(f"prompt {i}: {p.numel()} tokens + max_new_tokens {max_new_tokens} exceed "
+                                 f"context_length {self.context_length}")
+        if max_new_tokens < 0:
+            raise ValueError("max_new_tokens must be >= 0")
+        if allowed is not None:
+            allowed = torch.as_tensor(allowed, dtype=torch.bool, device=device)
+            if allowed.shape != (self.vocab_size,) or not bool(allowed.any()):
+                raise ValueError(f"allowed must be a bool [{self.vocab_size}] mask with at least one True")
+        eos = set() if eos_id is None else {int(e) for e in torch.as_tensor(eos_id).reshape(-1).tolist()}
+        outputs = [p.tolist() for p in prompts]
+        if max_new_tokens == 0:
+            return [torch.tensor(o, device=device) for o in outputs]
+        cache = PagedKVCache(len(self.layers), self.context_length, page_size)
+        layers = [cache.layer(i) for i in range(len(self.layers))]
+
+        def step(seq_ids: list[int], tokens: torch.Tensor) -> list[int]:
+            cache.prepare(seq_ids, tokens.shape[-1], device)
+            logits = self(tokens, kv_caches=layers)[:, -1]
+            cache.commit()
+            if allowed is not None:
+                logits = logits.masked_fill(~allowed, float("-inf"))
+            return sample_next(logits, temperature, top_k, top_p, generator).tolist()
+
+        was_training = self.training
+        self.eval()
+        try:
+            active = []
+            for i, p in enumerate(prompts):  # prefill: one prompt at a time, its last logits give its first token
+                cache.add_sequence(i)
+                outputs[i].append(step([i], p[None])[0])
+                active.append(i)
+            generated = dict.fromkeys(active, 1)
+            while True:
+                for i in list(active):  # sequences that are done leave the batch and free their blocks
+                    if generated[i] >= max_new_tokens or outputs[i][-1] in eos:
+                        active.remove(i)
+                        cache.free(i)
+                if not active:
+                    break
+                last = torch.tensor([[outputs[i][-1]] for i in active], device=device)
+                for i, token in zip(active, step(active, last)):
+                    outputs[i].append(token)
+                    generated[i] += 1
+        finally:
+            self.train(was_training)
+        # what the cache held (the cache itself is dropped here: its pools are freed with it)
+        self.last_generation_cache = dict(page_size=page_size, pool_blocks=cache.reserved,
+                                          peak_blocks_in_use=cache.peak_blocks, pool_bytes=cache.nbytes())
+        return [torch.tensor(o, device=device) for o in outputs]

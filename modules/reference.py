@@ -16,7 +16,7 @@ from einops import einsum, rearrange, repeat
 from torch import nn
 
 from . import functional as F
-from .cache import Documents, KVCache
+from .cache import Documents, KVCache, PagedLayerCache
 from .config import check_rope_scaling, default_d_ff
 from .model import TransformerBlock, TransformerLM, register_components  # noqa: F401  (the one shared assembly)
 
@@ -453,18 +453,22 @@ class MultiHeadSelfAttention(nn.Module):
                 for proj in (self.k_proj, self.v_proj))
         if self.q_norm is not None:  # each head's q and k normalised over d_k, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
+        paged = isinstance(kv_cache, PagedLayerCache)
         if self.rope is not None:
             generated = token_positions is None
-            if generated:
-                token_positions = torch.arange(past, past + seq, device=x.device)
+            if generated:  # (a paged cache: each sequence of the batch continues from its own length)
+                token_positions = kv_cache.positions(seq) if paged else torch.arange(past, past + seq, device=x.device)
             elif token_positions.shape[-1] != seq:
                 raise ValueError(f"token_positions {tuple(token_positions.shape)} must end in seq={seq}")
             # positions [..., seq] gain a heads axis so they broadcast over [..., heads, seq, d_k]
             # positions made here or per document (all < seq <= max_seq_len) need no range check
             q, k = self.rotate(q, k, token_positions.unsqueeze(-2), trusted=generated or documents is not None)
-        if kv_cache is not None:
-            k, v = kv_cache.update(k, v)
-        out = self.attend(q, k, v) if documents is None else self.attend_documents(q, k, v, documents)
+        if paged:
+            out = self.attend_paged(q, k, v, kv_cache)
+        else:
+            if kv_cache is not None:
+                k, v = kv_cache.update(k, v)
+            out = self.attend(q, k, v) if documents is None else self.attend_documents(q, k, v, documents)
         return self.output_proj(rearrange(out, "... heads seq d_k -> ... seq (heads d_k)"))
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, trusted: bool = False):
@@ -489,6 +493,23 @@ class MultiHeadSelfAttention(nn.Module):
         if group > 1:
             k, v = (repeat(t, "... kv_heads seq d_k -> ... (kv_heads group) seq d_k", group=group) for t in (k, v))
         return F.scaled_dot_product_attention(q, k, v, documents.mask())
+
+    def attend_paged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedLayerCache):
+        """A batch of sequences of different lengths against a paged cache (``q[batch, heads, seq, d_k]``, the
+        new ``k, v[batch, kv_heads, seq, d_k]``): the new keys are written at each sequence's next positions, then
+        every sequence's keys are gathered (padded) and query ``i`` of sequence ``b``, at position
+        ``cache_seqlens[b] + i``, attends to the keys at or before it."""
+        pool, index = cache.cache, cache.index
+        pool.write(index, k, v)
+        keys, values, _ = pool.gather(index)
+        group = self.num_heads // self.num_kv_heads
+        if group > 1:
+            keys, values = (repeat(t, "... kv_heads seq d_k -> ... (kv_heads group) seq d_k", group=group)
+                            for t in (keys, values))
+        query_pos = cache.positions(q.shape[-2])                            # [batch, seq]
+        key_pos = torch.arange(keys.shape[-2], device=q.device)
+        visible = key_pos[None, None, :] <= query_pos[:, :, None]           # [batch, seq, keys]
+        return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), visible[:, None])
 
 
 # the assembly builds its components from this namespace for backend="reference"

@@ -118,6 +118,22 @@ def test_greedy_generation_equals_transformers(tmp_path):
     assert got.tolist() == expected.tolist()
 
 
+def test_ragged_batch_generation_equals_transformers_per_prompt(tmp_path):
+    """A Llama checkpoint generating a list of prompts of different lengths (paged KV cache, batched steps) gives
+    every prompt exactly the greedy tokens transformers gives it alone."""
+    from tritonlm import hf
+
+    theirs = _llama(seed=7)
+    theirs.save_pretrained(tmp_path)
+    ours = hf.from_pretrained(tmp_path, backend="reference", device=DEVICE, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).to(DEVICE) for n in (6, 1, 19)]
+    outs = ours.generate(prompts, max_new_tokens=9, temperature=0)
+    for p, out in zip(prompts, outs):
+        expected = theirs.generate(p[None], max_new_tokens=9, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert out.tolist() == expected[0].tolist()
+
+
 def test_mistral_sliding_window(tmp_path):
     """Context capped at the window (where windowed attention is causal attention); apply_kernels runs the
     window itself on longer inputs."""
