@@ -63,6 +63,43 @@ def test_generate_from_hf_dir_equals_transformers(hf_dir, capsys):
     assert printed.rstrip("\n") == prompt + tok.decode(new, skip_special_tokens=False)
 
 
+def test_generate_prompt_file_batches_equal_transformers_per_prompt(hf_dir, tmp_path, capsys):
+    """``generate --prompt-file``: prompts of different lengths decode together (paged KV cache); each printed
+    continuation is transformers' greedy output for that prompt alone, in file order, then one tokens/s line."""
+    import transformers
+
+    path, model, tok = hf_dir
+    prompts = ["The cat", "A bird sang in the tree, and", "dog"]
+    file = tmp_path / "prompts.txt"
+    file.write_text(prompts[0] + "\n\n" + prompts[1] + "\n" + prompts[2] + "\n")  # (a blank line is skipped)
+    assert main(["generate", "--checkpoint", str(path), "--prompt-file", str(file), "--max-new-tokens", "8",
+                 "--temperature", "0", "--device", "cpu", "--backend", "reference"]) == 0
+    captured = capsys.readouterr()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(path)
+    expected = []
+    for i, prompt in enumerate(prompts, 1):
+        ids = hf_tok(prompt, return_tensors="pt").input_ids
+        out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                             suppress_tokens=list(range(tok.get_vocab_size(), 300)))[0, ids.shape[1]:].tolist()
+        eos = model.config.eos_token_id
+        new = out[:out.index(eos)] if eos in out else out
+        expected += [f"=== {i}/3 ===", prompt + tok.decode(new, skip_special_tokens=False)]
+    assert captured.out.rstrip("\n") == "\n".join(expected)
+    assert re.search(r"\[3 prompts, \d+ tokens in [\d.]+s, [\d.]+ tokens/s, backend reference, paged KV cache: "
+                     r"\d+ blocks of 16 positions", captured.err)
+
+
+def test_generate_prompt_file_errors(hf_dir, tmp_path, capsys):
+    path, _, _ = hf_dir
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    for file, message in ((empty, "no prompts"), (tmp_path / "missing.txt", "missing.txt")):
+        assert main(["generate", "--checkpoint", str(path), "--prompt-file", str(file), "--device", "cpu"]) != 0
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # --prompt and --prompt-file are exclusive
+        main(["generate", "--checkpoint", str(path), "--prompt", "x", "--prompt-file", str(empty)])
+
+
 def test_train_init_from_hf_dir(hf_dir, tmp_path, capsys):
     """Fine-tuning starts from the checkpoint's weights (a vanishing learning rate keeps them), uses its
     tokenizer.json, and the run directory then generates."""

@@ -293,6 +293,15 @@ def test_cli_main_job_on_embedded_corpus(tmp_path):
     expected = tok.decode(generate_ids(model, tok, "The", 5, temperature=0))
     assert g.stdout == "The" + expected + "\n"  # print() adds one newline after the text
     assert n_new == len(generate_ids(model, tok, "The", 5, temperature=0))
+    # a prompt file: batched through the paged cache, each prompt's continuation what it gets alone
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The\nclass A:\n")
+    g = _cli("generate", "--checkpoint", str(out), "--prompt-file", str(prompts), "--max-new-tokens", "5",
+             "--temperature", "0")
+    assert g.returncode == 0, g.stderr[-2000:]
+    alone = [p + tok.decode(generate_ids(model, tok, p, 5, temperature=0)) for p in ("The", "class A:")]
+    assert g.stdout == f"=== 1/2 ===\n{alone[0]}\n=== 2/2 ===\n{alone[1]}\n"
+    assert "[2 prompts" in g.stderr and "tokens/s" in g.stderr
 
 
 def test_ddp_and_fsdp_two_processes_gloo_match_single_process(tmp_path, corpus):

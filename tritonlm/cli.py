@@ -148,9 +148,10 @@ def cmd_train(args) -> int:
 
 def cmd_generate(args) -> int:
     import time
+    from pathlib import Path
 
     from ._base import TrainError
-    from .generate import generate_ids, load_for_generation, vocab_mismatch
+    from .generate import generate_batch_ids, generate_ids, load_for_generation, vocab_mismatch
 
     if args.max_new_tokens < 0:
         raise CLIError(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
@@ -160,17 +161,40 @@ def cmd_generate(args) -> int:
         raise CLIError(f"--top-k {args.top_k}: must be positive")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise CLIError(f"--top-p {args.top_p}: must be in (0, 1]")
+    prompts = None
+    if args.prompt_file is not None:
+        try:
+            lines = Path(args.prompt_file).read_text(encoding="utf-8").splitlines()
+        except OSError as e:
+            raise CLIError(f"--prompt-file {args.prompt_file}: {e.strerror or e}") from None
+        prompts = [line for line in lines if line.strip()]
+        if not prompts:
+            raise CLIError(f"--prompt-file {args.prompt_file}: no prompts (one per line; blank lines are skipped)")
     try:
         model, tokenizer = load_for_generation(args.checkpoint, args.device, args.backend)
         mismatch = vocab_mismatch(model, tokenizer)
         if mismatch:
             print(mismatch, file=sys.stderr)
         t0 = time.perf_counter()
-        new_ids = generate_ids(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
-                               args.top_p, args.seed)
+        if prompts is not None:
+            batch = generate_batch_ids(model, tokenizer, prompts, args.max_new_tokens, args.temperature, args.top_k,
+                                       args.top_p, args.seed, page_size=args.page_size)
+        else:
+            new_ids = generate_ids(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
+                                   args.top_p, args.seed)
     except (TrainError, ValueError) as e:
         raise CLIError(str(e)) from None
     dt = time.perf_counter() - t0
+    if prompts is not None:
+        for i, (prompt, ids) in enumerate(zip(prompts, batch), 1):
+            print(f"=== {i}/{len(prompts)} ===")
+            print(prompt + tokenizer.decode(ids))
+        n = sum(len(ids) for ids in batch)
+        stats = getattr(model, "last_generation_cache", None) or {}
+        print(f"\n[{len(prompts)} prompts, {n} tokens in {dt:.2f}s, {n / max(dt, 1e-9):.1f} tokens/s, backend "
+              f"{model.backend}, paged KV cache: {stats.get('pool_blocks', 0)} blocks of {args.page_size} positions, "
+              f"{stats.get('pool_bytes', 0) / 2**20:.1f} MiB]", file=sys.stderr)
+        return 0
     print(args.prompt + tokenizer.decode(new_ids))
     n = len(new_ids)  # tokens generated, not a re-encoding of the decoded text
     print(f"\n[{n} tokens in {dt:.2f}s, {n / max(dt, 1e-9):.1f} tokens/s, backend {model.backend}, "
@@ -473,10 +497,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="sample text from a trained checkpoint or a Hugging Face model",
                        description="Load a training output directory, or a local Hugging Face Llama/Mistral/Mixtral/Qwen2/Qwen3/Qwen-MoE "
                                    "directory (config.json, safetensors, tokenizer.json), and continue a prompt "
-                                   "(KV-cached decoding).")
+                                   "(KV-cached decoding). --prompt-file decodes many prompts together in batched "
+                                   "steps through a paged KV cache, each stopping on its own.")
     p.add_argument("--checkpoint", required=True,
                    help="training output directory (or its checkpoint.pt), or a Hugging Face model directory")
-    p.add_argument("--prompt", required=True)
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--prompt", help="one prompt")
+    which.add_argument("--prompt-file", help="a text file of prompts, one per line (blank lines skipped): generated "
+                                             "as one batch, printed in order, with a tokens/s summary")
+    p.add_argument("--page-size", type=int, default=16,
+                   help="--prompt-file: positions per block of the paged KV cache (a multiple of 16)")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=None)

@@ -14,7 +14,8 @@ from .modules import ModelConfig, TransformerLM
 from .modules.sampling import sample_next
 from .tokenizer import load_tokenizer
 
-__all__ = ["sample_next", "generate_text", "generate_ids", "vocab_mismatch", "is_hf_model_dir", "load_for_generation"]
+__all__ = ["sample_next", "generate_text", "generate_ids", "generate_batch_ids", "vocab_mismatch", "is_hf_model_dir",
+           "load_for_generation"]
 
 
 def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 1.0,
@@ -28,11 +29,25 @@ def generate_ids(model, tokenizer, prompt: str, max_new_tokens: int, temperature
     """The new token ids after ``prompt`` (up to, not including, ``<|endoftext|>``). The prompt is encoded as
     transformers would (a tokenizer.json's post-processor adds its BOS), and only ids the tokenizer can decode
     are sampled (see :func:`vocab_mismatch`)."""
-    ids = tokenizer.encode(prompt, add_special_tokens=True)
-    if not ids:
-        raise TrainError("the prompt encodes to no tokens")
-    if max(ids) >= model.vocab_size:
-        raise TrainError(f"the prompt encodes to id {max(ids)}, outside the model's vocabulary of {model.vocab_size}")
+    return generate_batch_ids(model, tokenizer, [prompt], max_new_tokens, temperature, top_k, top_p, seed,
+                              batched=False)[0]
+
+
+def generate_batch_ids(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
+                       top_k: int | None = None, top_p: float | None = None, seed: int | None = None, *,
+                       batched: bool = True, page_size: int = 16) -> list[list[int]]:
+    """:func:`generate_ids` for several prompts at once: with ``batched`` they decode together through a paged KV
+    cache (``TransformerLM.generate`` on a list of prompts of different lengths), each stopping on its own."""
+    encoded = []
+    for i, prompt in enumerate(prompts):
+        ids = tokenizer.encode(prompt, add_special_tokens=True)
+        where = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
+        if not ids:
+            raise TrainError(f"{where} encodes to no tokens")
+        if max(ids) >= model.vocab_size:
+            raise TrainError(f"{where} encodes to id {max(ids)}, outside the model's vocabulary of "
+                             f"{model.vocab_size}")
+        encoded.append(ids)
     device = next(model.parameters()).device
     gen = None
     if seed is not None:
@@ -44,11 +59,19 @@ def generate_ids(model, tokenizer, prompt: str, max_new_tokens: int, temperature
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     allowed = torch.zeros(model.vocab_size, dtype=torch.bool)
     allowed[[i for i in tokenizer.vocab if 0 <= i < model.vocab_size]] = True
-    out = model.generate(torch.tensor(ids, device=device), max_new_tokens, temperature=temperature, top_k=top_k,
-                         top_p=top_p, eos_id=eos, generator=gen, allowed=None if bool(allowed.all()) else allowed)
-    new = out[len(ids):].tolist()
-    stops = [i for i, t in enumerate(new) if t in eos_ids]
-    return new[:stops[0]] if stops else new
+    options = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos, generator=gen,
+                   allowed=None if bool(allowed.all()) else allowed)
+    if batched:
+        outs = model.generate([torch.tensor(ids, device=device) for ids in encoded], max_new_tokens,
+                              page_size=page_size, **options)
+    else:
+        outs = [model.generate(torch.tensor(ids, device=device), max_new_tokens, **options) for ids in encoded]
+    results = []
+    for ids, out in zip(encoded, outs):
+        new = out[len(ids):].tolist()
+        stops = [i for i, t in enumerate(new) if t in eos_ids]
+        results.append(new[:stops[0]] if stops else new)
+    return results
 
 
 def vocab_mismatch(model, tokenizer) -> str | None:
