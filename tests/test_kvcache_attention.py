@@ -258,3 +258,34 @@ def test_leftpad_and_rotary_errors():
     wide = torch.ones(80, 9)  # rotary_dim 18 > d 16
     with pytest.raises(ValueError, match="rotary_dim"):
         flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=wide, rotary_sin=wide, cache_seqlens=lengths)
+
+
+@pytest.mark.parametrize("heads, kv_heads, seq_q, num_splits", [(8, 2, 1, 1), (8, 2, 1, 3), (16, 2, 6, 1),
+                                                                (16, 2, 6, 2), (12, 4, 2, 0)])
+def test_gqa_heads_packed_into_one_program(heads, kv_heads, seq_q, num_splits, monkeypatch):
+    """Few queries with GQA: each (sequence, kv head) is one program whose query tile holds the whole group
+    (group x seq_q rows: 4, 48 -- more than the interpreter's 32-row tile -- and 6), split or not, windows too;
+    the forward grid's second axis is batch x kv heads, and the result equals the fp64 reference."""
+    from tritonlm.kernels.attention import forward
+
+    grids = []
+    real = forward._fwd_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr("tritonlm.kernels.attention.launch._fwd_kernel", Recorder())
+    monkeypatch.setattr("tritonlm.kernels.attention.decode._fwd_kernel", Recorder())
+    q, k, v, k_cache, v_cache, lengths, table = _setup(batch=3, seq_q=seq_q, new=seq_q, heads=heads,
+                                                       kv_heads=kv_heads, capacity=96, paged=16, seed=6)
+    for window in ((-1, -1), (9, 0)):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lengths, block_table=table, causal=True,
+                                      window_size=window, num_splits=num_splits)
+        keys = [_sequence_keys(kc, b, table, None) for b in range(3)]
+        values = [_sequence_keys(vc, b, table, None) for b in range(3)]
+        expected, _ = _reference(q, keys, values, lengths + seq_q, True, window, 1 / math.sqrt(16))
+        torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+    assert grids and all(g[1] == 3 * kv_heads for g in grids)

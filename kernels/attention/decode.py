@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._common import ASSUMED_SM_COUNT, MAX_GRID_AXIS1, on_gpu, sm_count
+from .._common import ASSUMED_SM_COUNT, MAX_GRID_AXIS1, next_pow2, on_gpu, sm_count
 from .forward import _fwd_kernel
 from .layout import _block_d, _strides3
 
@@ -42,9 +42,13 @@ def split_kv_forward(args, o4, lse, lse_strides, splits, h, group, n_q, n_k, d, 
     """Run the split forward and the combine for a dense batch. ``args(o, lse, o_strides, lse_strides)`` gives the
     forward kernel's leading arguments, ``tail`` its block-table stride, page size and softcap (:func:`.tiles._scores`,
     like ``qk_scale``); ``common`` its shared constexprs; ``max_block_n`` caps the key tile (a paged cache's block
-    size)."""
+    size). ``h``: the query heads, or with ``common["PACK_GQA"]`` the kv heads (a program's tile then holds the
+    ``group x n_q`` queries of one kv head's group)."""
     b_h = o4.shape[0] * h
     block_m, block_n, warps, stages = DECODE_CONFIG if on_gpu(device) else DECODE_INTERPRETER_CONFIG
+    pack = common["PACK_GQA"]
+    if pack:
+        block_m = max(block_m, next_pow2(group * n_q))
     block_n = min(block_n, max_block_n or block_n)
     # every split but the last covers a whole number of key tiles
     split_size = triton.cdiv(triton.cdiv(n_k, splits), block_n) * block_n
@@ -55,27 +59,36 @@ def split_kv_forward(args, o4, lse, lse_strides, splits, h, group, n_q, n_k, d, 
         *args(o_part, lse_part, (0, 0, 0), (0, 0)), h, group, 0, n_q, n_k, d, qk_scale,
         win_left, win_right, split_size, *tail, SPLIT_KV=True, BLOCK_M=block_m, BLOCK_N=block_n, **common,
         num_warps=warps, num_stages=stages)
-    _split_combine_kernel[(b_h,)](o_part, lse_part, o4, lse, *_strides3(o4), *lse_strides, h, splits, b_h,
-                                  n_q, d, BLOCK_M=block_m, BLOCK_D=_block_d(d), num_warps=4)
+    _split_combine_kernel[(b_h,)](o_part, lse_part, o4, lse, *_strides3(o4), *lse_strides, h, group, splits, b_h,
+                                  n_q, d, BLOCK_M=block_m, BLOCK_D=_block_d(d), PACK_GQA=pack, num_warps=4)
 
 
 @triton.jit
 def _split_combine_kernel(O_PART, LSE_PART, O, LSE, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
-                          n_heads, n_splits, n_bh, n_q, d_head, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Flash-decoding combine for one (batch, head): ``L = log Σ_s exp(L_s)``, ``O = Σ_s exp(L_s - L) O_s``
+                          n_heads, group, n_splits, n_bh, n_q, d_head, BLOCK_M: tl.constexpr,
+                          BLOCK_D: tl.constexpr, PACK_GQA: tl.constexpr):
+    """Flash-decoding combine for one (batch, head) -- with ``PACK_GQA`` one (batch, kv head), its partial rows
+    the group's heads x queries as the forward packed them: ``L = log Σ_s exp(L_s)``, ``O = Σ_s exp(L_s - L) O_s``
     over the key splits (a split that saw no key has L_s = -inf and weight 0)."""
     pid_bh = tl.program_id(0)
     b = (pid_bh // n_heads).to(tl.int64)
     h = (pid_bh % n_heads).to(tl.int64)
-    offs_m = tl.arange(0, BLOCK_M)
+    tile_rows = tl.arange(0, BLOCK_M)
+    if PACK_GQA:  # row r: query r % n_q of the group's head r // n_q
+        h = h * group + tile_rows // n_q
+        offs_m = tile_rows % n_q
+        row_valid = tile_rows < group * n_q
+    else:
+        offs_m = tile_rows
+        row_valid = offs_m < n_q
     offs_d = tl.arange(0, BLOCK_D)
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     s = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for split in range(0, n_splits):
         part = (split * n_bh + pid_bh).to(tl.int64) * BLOCK_M
-        lse_s = tl.load(LSE_PART + part + offs_m)
-        o_s = tl.load(O_PART + (part + offs_m)[:, None] * BLOCK_D + offs_d[None, :])
+        lse_s = tl.load(LSE_PART + part + tile_rows)
+        o_s = tl.load(O_PART + (part + tile_rows)[:, None] * BLOCK_D + offs_d[None, :])
         m_new = tl.maximum(m, lse_s)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_safe)
@@ -86,8 +99,8 @@ def _split_combine_kernel(O_PART, LSE_PART, O, LSE, stride_ob, stride_oh, stride
     empty = s == 0.0
     s_safe = tl.where(empty, 1.0, s)
     lse = tl.where(empty, float("-inf"), m + tl.log(s_safe))
-    mask = (offs_m[:, None] < n_q) & (offs_d[None, :] < d_head)
-    tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :],
-             (acc / s_safe[:, None]).to(O.dtype.element_ty), mask=mask)
-    tl.store(LSE + b * stride_lb + h * stride_lh + offs_m, lse, mask=offs_m < n_q)
+    mask = row_valid[:, None] & (offs_d[None, :] < d_head)
+    o_rows = O + b * stride_ob + h * stride_oh + offs_m.to(tl.int64) * stride_om
+    tl.store(o_rows[:, None] + offs_d[None, :], (acc / s_safe[:, None]).to(O.dtype.element_ty), mask=mask)
+    tl.store(LSE + b * stride_lb + h * stride_lh + offs_m, lse, mask=row_valid)
 

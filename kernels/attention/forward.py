@@ -78,6 +78,7 @@ def _fwd_kernel(
     softcap,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, SPLIT_KV: tl.constexpr,
     SEQUSED_K: tl.constexpr, PAGED: tl.constexpr, LEFTPAD: tl.constexpr, SOFTCAP: tl.constexpr,
+    PACK_GQA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -88,6 +89,8 @@ def _fwd_kernel(
     # in cache row KV_BATCH[b]; PAGED: in blocks of page_size rows of one pool, listed by its BLOCK_TABLE row;
     # LEFTPAD (dense caches): the sequence's keys start at cache row CU_K[b] (flash-attn's cache_leftpad)
     # SOFTCAP: scores capped by softcap · tanh(s / softcap) (Gemma 2), qk_scale and softcap as in tiles._scores
+    # PACK_GQA (few queries, GQA): grid axis 1 walks (batch, kv head) -- n_heads is the kv heads -- and the one
+    # query tile holds every query of the group's query heads, so each K/V tile is read once for the whole group
     pid_bh = tl.program_id(1) + bh_start
     b, h, q_start, n_q, k_start, n_k = _sequence(pid_bh, n_heads, CU_Q, CU_K, n_q, n_k, VARLEN)
     b_kv = b
@@ -104,24 +107,33 @@ def _fwd_kernel(
         b_kv = b * 0
         k_start = k_start * 0
     bt_row = BLOCK_TABLE + b * stride_bt
-    if SPLIT_KV:
+    if SPLIT_KV or PACK_GQA:
         start_m = 0
     else:
         start_m = _query_tile_start(tl.program_id(0), n_q, CAUSAL, BLOCK_M)
-    h_kv = h // group  # GQA: consecutive query heads share one key/value head
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    if PACK_GQA:
+        # tile row r is query r % n_q of the group's query head r // n_q; the key ranges below are those of a
+        # query tile starting at 0 (every query of the tile is in [0, n_q)), and masks use each row's own query
+        h_kv = h
+        tile_rows = tl.arange(0, BLOCK_M)
+        h = h_kv * group + tile_rows // n_q
+        offs_m = tile_rows % n_q
+        row_valid = tile_rows < group * n_q
+    else:
+        h_kv = h // group  # GQA: consecutive query heads share one key/value head
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_valid = (offs_m >= 0) & (offs_m < n_q)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < d_head
     if EVEN_D:  # the head dim fills the tile: an all-true constant, so every mask below is rows only
         d_mask = tl.full([BLOCK_D], 1, tl.int1)
-    row_valid = (offs_m >= 0) & (offs_m < n_q)
     q_mask = row_valid[:, None] & d_mask[None, :]
     rows = (q_start + offs_m).to(tl.int64)
 
-    # ---- load the query tile once
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :], mask=q_mask,
-                other=0.0)
+    # ---- load the query tile once (h: this program's head, or each row's with PACK_GQA)
+    q_rows = Q + b * stride_qb + h * stride_qh + rows * stride_qm
+    q = tl.load(q_rows[:, None] + offs_d[None, :], mask=q_mask, other=0.0)
     k_ptrs = K + b_kv * stride_kb + h_kv * stride_kh + k_start * stride_kn + offs_d[None, :]
     v_ptrs = V + b_kv * stride_vb + h_kv * stride_vh + k_start * stride_vn + offs_d[None, :]
 
@@ -165,8 +177,8 @@ def _fwd_kernel(
         tl.store(O + (part + tl.arange(0, BLOCK_M))[:, None] * BLOCK_D + offs_d[None, :], out)
         tl.store(LSE + part + tl.arange(0, BLOCK_M), lse)
     else:
-        o_ptrs = O + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_d[None, :]
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=q_mask)
+        o_rows = O + b * stride_ob + h * stride_oh + rows * stride_om
+        tl.store(o_rows[:, None] + offs_d[None, :], out.to(O.dtype.element_ty), mask=q_mask)
         tl.store(LSE + b * stride_lb + h * stride_lh + q_start + offs_m, lse, mask=row_valid)
 
 

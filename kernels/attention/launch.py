@@ -71,6 +71,8 @@ BWD_CONFIGS = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 2), 128: 
 BWD_CONFIGS_SM80 = {64: (32, 64, 4, 2)}
 #: The interpreter runs whole tiles as numpy ops: larger tiles are fewer, faster steps.
 INTERPRETER_CONFIG = (32, 32, 4, 1)
+#: GQA packing (few queries): at most this many rows (group x queries) in the one query tile of a kv head's group.
+PACK_GQA_MAX_ROWS = 64
 
 
 _CONFIG_FIELDS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
@@ -176,8 +178,12 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
     cu_k = cu_seqlens_k if packed else (leftpad if leftpad is not None else lse)
     common = dict(CAUSAL=is_causal, WINDOW=_has_window(is_causal, window), VARLEN=packed, BLOCK_D=_block_d(d),
                   EVEN_D=d == _block_d(d), SEQUSED_K=cache, PAGED=paged, SOFTCAP=bool(softcap),
-                  LEFTPAD=leftpad is not None,
-                  **_dot_precision(q.dtype))
+                  LEFTPAD=leftpad is not None, **_dot_precision(q.dtype))
+    # GQA with few queries (decoding): one program per (batch, kv head) holds its whole group's queries in one
+    # tile, so each K/V tile is read once per group instead of once per query head
+    pack = not packed and group > 1 and n_q <= decode.DECODE_MAX_QUERIES and group * n_q <= PACK_GQA_MAX_ROWS
+    grid_heads = h // group if pack else h
+    common["PACK_GQA"] = pack
     qk_scale, cap = score_scales(softmax_scale, softcap)
     cache_args = (block_table.stride(0) if paged else 0, page_size, cap)
     args = lambda o_arg, lse_arg, o_strides, l_strides: (  # noqa: E731
@@ -191,16 +197,17 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
     elif num_splits > 1:
         splits = min(num_splits, triton.cdiv(n_k, 16))
     else:
-        splits = decode._decode_splits(b * h, n_q, n_k, decode.DECODE_CONFIG[1], q.device)
+        splits = decode._decode_splits(b * grid_heads, n_q, n_k, decode.DECODE_CONFIG[1], q.device)
     if splits > 1:
         # ---- flash-decoding: keys split over programs, partials combined by their logsumexps
-        decode.split_kv_forward(args, o4, lse, lse_strides, splits, h, group, n_q, n_k, d, qk_scale, win_left,
+        decode.split_kv_forward(args, o4, lse, lse_strides, splits, grid_heads, group, n_q, n_k, d, qk_scale, win_left,
                                 win_right, common, q.device, cache_args, max_block_n)
         return o, lse
     block_m, block_n, warps, stages = _fwd_config(d, q.dtype, q.device)
     if paged:
         block_n = min(block_n, max_block_n)
-    if (not packed and not cache and not common["WINDOW"] and not softcap and _tma_selected(d, q.dtype, q.device)
+    if (not packed and not cache and not pack and not common["WINDOW"] and not softcap
+            and _tma_selected(d, q.dtype, q.device)
             and b * h <= MAX_GRID_AXIS1 and _tma_ready(q4, k4, v4, o4)):
         # ---- Hopper TMA variant (chosen only by a tuned table / the sweep): dense attention, descriptor loads;
         # descriptors index whole tensors, so it runs as one launch (more batch x heads keep the default kernel)
@@ -214,11 +221,12 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
         # sm_80 at d 128: the packed / windowed forward's extra range bookkeeping spills with 64-key tiles
         # (40 / 16 bytes in the SASS report); 32-key tiles are spill-free
         block_n = min(block_n, 32)
-    if n_q < block_m:  # few queries (decoding against a short cache): a smaller query tile wastes less
-        block_m = max(16, next_pow2(n_q))
-    for bh_start, n_bh in grid_axis1_launches(b * h):
-        _fwd_kernel[(triton.cdiv(n_q, block_m), n_bh)](
-            *args(o4, lse, _strides3(o4, packed), lse_strides), h, group, bh_start, n_q, n_k, d,
+    tile_rows = group * n_q if pack else n_q
+    if tile_rows < block_m or pack:  # few queries (decoding against a short cache): a smaller query tile wastes
+        block_m = max(16, next_pow2(tile_rows))  # less; a packed group is always one tile
+    for bh_start, n_bh in grid_axis1_launches(b * grid_heads):
+        _fwd_kernel[(triton.cdiv(tile_rows, block_m), n_bh)](
+            *args(o4, lse, _strides3(o4, packed), lse_strides), grid_heads, group, bh_start, n_q, n_k, d,
             qk_scale, win_left, win_right, 0, *cache_args, SPLIT_KV=False, BLOCK_M=block_m,
             BLOCK_N=block_n,
             **common, num_warps=warps, num_stages=stages)

@@ -110,6 +110,7 @@ def _sass_cases(quick: bool) -> list[_registry.SassCase]:
     cases.append(_registry.SassCase(
         "1x32x4096x128 window 1024 bf16", lambda: flash_attention_forward(q, q, q, True, 0.1, (1024, 0)),
         (L("attention.window_fwd", 0, 4 * 32 * 4096 * 1025 * d),)))
+    # (GQA decoding packs each kv head's 4 query heads into one program's 16-row tile: K/V read once per group)
     q1 = torch.empty(4, 32, 1, d, dtype=dtype, device=meta)
     cache = torch.empty(4, 8, 32768, d, dtype=dtype, device=meta)
     decode = lambda: flash_attention_forward(q1, cache, cache, True, 0.1)  # noqa: E731
