@@ -146,3 +146,18 @@ def moe_baselines(device) -> dict:
         except ImportError:
             pass
     return out
+
+
+def ragged_kv_caches(batch: int, ctx: int, kv_heads: int, d: int, page: int, dtype, device):
+    """Decoding inputs: ragged cached lengths in ``[ctx/2, ctx)`` (int32 ``[batch]``), a dense cache ``(k, v, None)``
+    ``[batch, capacity, kv_heads, d]`` and the same keys as a shuffled paged pool ``(k, v, block_table)``
+    ``[blocks, page, kv_heads, d]``."""
+    gen = torch.Generator(device=device).manual_seed(batch)
+    lengths = torch.randint(ctx // 2, ctx, (batch,), device=device, generator=gen, dtype=torch.int32)
+    capacity = -(-ctx // page) * page
+    k = torch.randn(batch, capacity, kv_heads, d, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    blocks = capacity // page
+    table = torch.randperm(batch * blocks, device=device, generator=gen).view(batch, blocks).to(torch.int32)
+    order = table.flatten().argsort()  # pool block table[b, i] holds sequence b's i-th block
+    return lengths, (k, v, None), (k.view(-1, page, kv_heads, d)[order], v.view(-1, page, kv_heads, d)[order], table)

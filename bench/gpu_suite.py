@@ -140,6 +140,7 @@ def main() -> int:
     from ops_suite import (
         attention_rows,
         attention_variant_rows,
+        decode_rows,
         hf_rows,
         loss_rows,
         moe_rows,
@@ -152,6 +153,7 @@ def main() -> int:
             min_left=60)
     section("attention_variants",
             lambda: {"rows": attention_variant_rows(device, copy_bw, smoke=not on_gpu, time_left=left)}, min_left=60)
+    section("decode", lambda: {"rows": decode_rows(device, copy_bw, smoke=not on_gpu, time_left=left)}, min_left=60)
     section("lm_head_loss", lambda: {"rows": loss_rows(device, smoke=not on_gpu, time_left=left)}, min_left=60)
     section("moe", lambda: {"rows": moe_rows(device, smoke=not on_gpu, time_left=left)}, min_left=60)
     section("train_step", lambda: {"rows": train_rows(device, smoke=not on_gpu, time_left=left)}, min_left=60)

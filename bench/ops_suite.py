@@ -11,7 +11,7 @@ import torch.nn.functional as TF
 from tritonlm import ModelConfig, accounting
 from tritonlm.benchmarking import benchmark_train_steps, time_fn
 
-from benchutil import fused_loss_baselines, liger_impls, moe_baselines, peak_bytes
+from benchutil import fused_loss_baselines, liger_impls, moe_baselines, peak_bytes, ragged_kv_caches
 
 
 def _ms(times):
@@ -376,4 +376,69 @@ def moe_rows(device, smoke=False, time_left=lambda: 1e9):
         del hidden, gate_up, down, args, grad
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    return rows
+
+
+def decode_rows(device, copy_bw, smoke=False, time_left=lambda: 1e9):
+    """Inference: ``flash_attn_with_kvcache`` decoding one token per sequence against dense and paged caches
+    (batch 1-64, context 4K-128K, GQA 32 on 8, d 128; bandwidth of reading K/V once), then ragged-batch generation
+    with a model (tokens/s and paged cache memory vs batch size)."""
+    from tritonlm import ModelConfig, TransformerLM
+    from tritonlm.kernels import flash_attn_with_kvcache
+
+    dtype = torch.float32 if smoke else torch.bfloat16
+    d, (h_q, h_kv), page = (16, (4, 2), 16) if smoke else (128, (32, 8), 256)
+    cases = [(1, 2100), (3, 700)] if smoke else [(1, 4096), (1, 32768), (1, 131072), (8, 32768), (16, 131072),
+                                                  (64, 4096), (64, 32768)]
+    rows = []
+    for batch, ctx in cases:
+        if time_left() < 40:
+            break
+        q = torch.randn(batch, 1, h_q, d, device=device, dtype=dtype)
+        try:  # ragged lengths in [ctx/2, ctx) (what a server's batch looks like), dense and as a paged pool
+            lengths, dense, paged = ragged_kv_caches(batch, ctx, h_kv, d, page, dtype, device)
+        except torch.OutOfMemoryError as e:
+            rows.append({"group": "decode_kernel", "case": f"b{batch} ctx {ctx}", "error": repr(e)[:200]})
+            continue
+        nbytes = 2 * int(lengths.sum()) * h_kv * d * q.element_size()  # K and V of every cached position
+        for impl, (kc, vc, bt) in (("tritonlm-dense", dense), ("tritonlm-paged", paged)):
+            def step(q=q, kc=kc, vc=vc, bt=bt, lengths=lengths):
+                flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths, block_table=bt, causal=True)
+            try:
+                ms = _ms(_time(step, device, smoke))
+            except Exception as e:  # e.g. out of memory: the row says so, the rest still runs
+                rows.append({"group": "decode_kernel", "impl": impl, "case": f"b{batch} ctx {ctx}",
+                             "error": repr(e)[:200]})
+                continue
+            gbps = nbytes / ms / 1e6
+            rows.append({"group": "decode_kernel", "impl": impl, "case": f"b{batch} ctx {ctx}", "batch": batch,
+                         "ctx": ctx, "ms": ms, "GBps": gbps, "pct_copy_bw": 100 * gbps * 1e9 / copy_bw})
+        del dense, paged
+    # ---- a model generating for a ragged batch: tokens/s and the paged cache's memory vs batch size
+    cfg = (ModelConfig.preset("tiny", vocab_size=97, num_layers=2) if smoke
+           else ModelConfig.preset("small", num_kv_heads=4, context_length=2048))
+    model = TransformerLM.from_config(cfg, device=device, dtype=dtype, backend="triton").eval()
+    new = 4 if smoke else 128
+    for batch in ((1, 3) if smoke else (1, 8, 32)):
+        if time_left() < 30:
+            break
+        gen = torch.Generator().manual_seed(batch)
+        lengths = torch.randint(8 if smoke else 64, 24 if smoke else 1024, (batch,), generator=gen).tolist()
+        prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).to(device) for n in lengths]
+        import time as _t
+
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = _t.perf_counter()
+        outs = model.generate(prompts, new, temperature=0)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = _t.perf_counter() - t0
+        made = sum(len(o) - n for o, n in zip(outs, lengths))
+        stats = model.last_generation_cache
+        dense_bytes = stats["pool_bytes"] / max(stats["pool_blocks"], 1) / stats["page_size"] * batch \
+            * cfg.context_length  # a dense cache sized to the context for every sequence
+        rows.append({"group": "generate", "impl": "tritonlm-paged", "case": f"{cfg.d_model}d x{cfg.num_layers} "
+                     f"batch {batch}", "batch": batch, "tokens": made, "s": seconds, "tokens_per_s": made / seconds,
+                     "cache_MiB": stats["pool_bytes"] / 2**20, "dense_context_MiB": dense_bytes / 2**20})
     return rows

@@ -66,6 +66,17 @@ def verdicts(report) -> list[dict]:
         worst = min(decode, key=lambda r: r["pct_copy_bw"])
         add("split-KV decode >= 70% of the bandwidth to read the cache", worst["pct_copy_bw"] >= 70,
             f"lowest {worst['pct_copy_bw']:.0f}% ({worst['case']})")
+    dec = [r for r in _rows(report, "decode") if "error" not in r and r.get("group") == "decode_kernel"]
+    if dec:
+        worst = min(dec, key=lambda r: r["pct_copy_bw"])
+        add("flash_attn_with_kvcache decode >= 70% of HBM bandwidth on K/V (batch 1-64, 4K-128K)",
+            worst["pct_copy_bw"] >= 70, f"lowest {worst['pct_copy_bw']:.0f}% ({worst['impl']} {worst['case']})")
+        pairs = [(p, q) for p in dec for q in dec if p["impl"] == "tritonlm-paged" and q["impl"] == "tritonlm-dense"
+                 and p["case"] == q["case"]]
+        if pairs:
+            p, q = max(pairs, key=lambda pq: pq[0]["ms"] / pq[1]["ms"])
+            add("paged KV decode <= 1.1x dense time", p["ms"] / q["ms"] <= 1.1,
+                f"worst {p['ms'] / q['ms']:.2f}x ({p['case']})")
     loss = [r for r in _rows(report, "lm_head_loss") if "error" not in r]
     for shape in sorted({r["shape"] for r in loss}):
         by = {r["impl"]: r for r in loss if r["shape"] == shape}
@@ -175,6 +186,8 @@ def render_markdown(report) -> str:
     for name, cols in (("kernel_tests", ["tests", "passed", "failed", "errored", "not run", "pytest exit code", "log"]), ("ops", ["op", "shape", "dtype", "impl", "mode", "ms", "GBps", "pct_copy_bw", "error"]),
                        ("attention", ["shape", "dtype", "impl", "fwd_ms", "fwd_bwd_ms", "fwd_TFLOPs", "fwd_bwd_TFLOPs", "fwd_pct_matmul_peak", "error"]),
                        ("attention_variants", ["group", "case", "ms", "GBps", "pct_copy_bw", "error"]),
+                       ("decode", ["group", "impl", "case", "ms", "GBps", "pct_copy_bw", "tokens_per_s", "cache_MiB",
+                                   "dense_context_MiB", "error"]),
                        ("lm_head_loss", ["shape", "dtype", "impl", "fwd_bwd_ms", "peak_MiB", "error"]),
                        ("moe", ["shape", "dtype", "impl", "fwd_ms", "fwd_bwd_ms", "fwd_TFLOPs", "fwd_bwd_TFLOPs", "error"]),
                        ("train_step", ["preset", "impl", "batch", "seq", "mean_s", "std_s", "tokens_per_s", "mfu", "train_TFLOPs", "peak_bytes", "error"]),
