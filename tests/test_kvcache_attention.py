@@ -261,7 +261,7 @@ def test_leftpad_and_rotary_errors():
 
 
 @pytest.mark.parametrize("heads, kv_heads, seq_q, num_splits", [(8, 2, 1, 1), (8, 2, 1, 3), (16, 2, 6, 1),
-                                                                (16, 2, 6, 2), (12, 4, 2, 0)])
+                                                                (16, 2, 6, 2), (12, 4, 2, 0), (8, 1, 1, 0)])
 def test_gqa_heads_packed_into_one_program(heads, kv_heads, seq_q, num_splits, monkeypatch):
     """Few queries with GQA: each (sequence, kv head) is one program whose query tile holds the whole group
     (group x seq_q rows: 4, 48 -- more than the interpreter's 32-row tile -- and 6), split or not, windows too;
