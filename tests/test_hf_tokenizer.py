@@ -113,8 +113,9 @@ def _spec(tmp_path, **changes):
 
 @pytest.mark.parametrize("changes,message", [
     ({"model_type": "Unigram"}, "model.type 'Unigram'"),
-    ({"model_byte_fallback": True}, "byte_fallback"),
-    ({"pre_tokenizer": {"type": "Metaspace", "replacement": "▁"}}, "pre_tokenizer"),
+    ({"model_byte_fallback": True}, "ByteLevel is not supported for a SentencePiece BPE"),
+    ({"pre_tokenizer": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "sometimes"}}, "prepend_scheme"),
+    ({"pre_tokenizer": {"type": "Metaspace", "replacement": "▁"}, "decoder": {"type": "CTC"}}, "decoder step CTC"),
     ({"pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": True}}, "add_prefix_space"),
     ({"normalizer": {"type": "Lowercase"}}, "Lowercase"),
     ({"added_tokens": [{"id": 999, "content": "<mask>", "lstrip": True}]}, "lstrip"),

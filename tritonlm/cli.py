@@ -151,7 +151,13 @@ def cmd_generate(args) -> int:
     from pathlib import Path
 
     from ._base import TrainError
-    from .generate import generate_batch_ids, generate_ids, load_for_generation, vocab_mismatch
+    from .generate import (
+        continuation_text,
+        generate_batch_ids,
+        generate_ids,
+        load_for_generation,
+        vocab_mismatch,
+    )
 
     if args.max_new_tokens < 0:
         raise CLIError(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
@@ -188,14 +194,14 @@ def cmd_generate(args) -> int:
     if prompts is not None:
         for i, (prompt, ids) in enumerate(zip(prompts, batch), 1):
             print(f"=== {i}/{len(prompts)} ===")
-            print(prompt + tokenizer.decode(ids))
+            print(prompt + continuation_text(tokenizer, prompt, ids))
         n = sum(len(ids) for ids in batch)
         stats = getattr(model, "last_generation_cache", None) or {}
         print(f"\n[{len(prompts)} prompts, {n} tokens in {dt:.2f}s, {n / max(dt, 1e-9):.1f} tokens/s, backend "
               f"{model.backend}, paged KV cache: {stats.get('pool_blocks', 0)} blocks of {args.page_size} positions, "
               f"{stats.get('pool_bytes', 0) / 2**20:.1f} MiB]", file=sys.stderr)
         return 0
-    print(args.prompt + tokenizer.decode(new_ids))
+    print(args.prompt + continuation_text(tokenizer, args.prompt, new_ids))
     n = len(new_ids)  # tokens generated, not a re-encoding of the decoded text
     print(f"\n[{n} tokens in {dt:.2f}s, {n / max(dt, 1e-9):.1f} tokens/s, backend {model.backend}, "
           f"KV cache on]", file=sys.stderr)

@@ -14,14 +14,24 @@ from .modules import ModelConfig, TransformerLM
 from .modules.sampling import sample_next
 from .tokenizer import load_tokenizer
 
-__all__ = ["sample_next", "generate_text", "generate_ids", "generate_batch_ids", "vocab_mismatch", "is_hf_model_dir",
-           "load_for_generation"]
+__all__ = ["sample_next", "generate_text", "generate_ids", "generate_batch_ids", "continuation_text", "vocab_mismatch",
+           "is_hf_model_dir", "load_for_generation"]
 
 
 def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 1.0,
                   top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> str:
     """Continue ``prompt``; stops at ``<|endoftext|>``. Returns the new text only."""
-    return tokenizer.decode(generate_ids(model, tokenizer, prompt, max_new_tokens, temperature, top_k, top_p, seed))
+    return continuation_text(tokenizer, prompt, generate_ids(model, tokenizer, prompt, max_new_tokens, temperature,
+                                                             top_k, top_p, seed))
+
+
+def continuation_text(tokenizer, prompt: str, new_ids: list[int]) -> str:
+    """The text ``new_ids`` add after ``prompt``. A SentencePiece tokenizer decodes them after the prompt's ids (alone,
+    the space their leading ``▁`` stands for would be stripped as the start of a text); byte-level BPE decodes
+    them as they are."""
+    if hasattr(tokenizer, "continuation"):
+        return tokenizer.continuation(tokenizer.encode(prompt, add_special_tokens=True), new_ids)
+    return tokenizer.decode(new_ids)
 
 
 def generate_ids(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 1.0,

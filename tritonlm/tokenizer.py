@@ -474,6 +474,18 @@ def _hf_template(file: Path, post) -> tuple[tuple[int, ...], tuple[int, ...]]:
     raise ValueError(f"{file}: post_processor type {kind!r} is not supported")
 
 
+def _sentencepiece_style(spec: dict) -> bool:
+    """A tokenizer.json of SentencePiece-style BPE (Llama 2, Mistral 7B, Gemma, Phi-3): byte fallback, a Metaspace
+    pre-tokenizer, or spaces replaced by ``▁`` in the normalizer."""
+    if (spec.get("model") or {}).get("byte_fallback"):
+        return True
+    pre = spec.get("pre_tokenizer") or {}
+    norm = spec.get("normalizer") or {}
+    steps = (pre.get("pretokenizers") or []) + [pre] + (norm.get("normalizers") or []) + [norm]
+    return any(s.get("type") in ("Metaspace", "Prepend") or (s.get("type") == "Replace" and s.get("content") == "\u2581")
+               for s in steps if s)
+
+
 class Tokenizer:
     """Byte-level BPE encoder/decoder over a ``vocab`` (id -> bytes) and ranked ``merges``.
 
@@ -566,8 +578,9 @@ class Tokenizer:
         library's ``encode(text, add_special_tokens=False)`` (no BOS is prepended; :meth:`hf_special_ids` tells
         what transformers' tokenizer adds around a prompt).
 
-        Other tokenizer types (SentencePiece-style BPE with byte fallback, Unigram, WordPiece) and pipeline steps
-        this encoder does not implement are a ``ValueError`` naming the field.
+        A SentencePiece-style BPE (byte fallback, ``▁`` for spaces: Llama 2, Mistral 7B, Gemma, Phi-3) comes back
+        as a :class:`~tritonlm.sentencepiece_bpe.SentencePieceBPE` with the same interface. Other tokenizer types
+        (Unigram, WordPiece) and pipeline steps neither encoder implements are a ``ValueError`` naming the field.
         """
         path = Path(path)
         file = path / "tokenizer.json" if path.is_dir() else path
@@ -580,10 +593,14 @@ class Tokenizer:
         model = spec.get("model") or {}
         kind = model.get("type")
         if kind != "BPE":
-            raise ValueError(f"{file}: model.type {kind!r} is not byte-level BPE (SentencePiece Unigram, WordPiece "
-                             "and WordLevel tokenizers are not supported)")
-        if model.get("byte_fallback"):
-            raise ValueError(f"{file}: model.byte_fallback is set: a SentencePiece-style BPE, not byte-level BPE")
+            raise ValueError(f"{file}: model.type {kind!r} is not a BPE model (Unigram, WordPiece and WordLevel "
+                             "tokenizers are not supported)")
+        if _sentencepiece_style(spec):
+            from .sentencepiece_bpe import SentencePieceBPE
+
+            tok = SentencePieceBPE.from_spec(file, spec)
+            tok.template = _hf_template(file, spec.get("post_processor"))
+            return tok
         for field in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
             if model.get(field):
                 raise ValueError(f"{file}: model.{field}={model[field]!r} is not supported")

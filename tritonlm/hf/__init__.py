@@ -7,7 +7,8 @@
 * :func:`model_config_from_hf`: the :class:`~tritonlm.config.ModelConfig` of an HF config dict (plain JSON,
   no optional dependency).
 
-Tokenizers: :meth:`tritonlm.tokenizer.Tokenizer.from_hf` reads byte-level BPE ``tokenizer.json`` files.
+Tokenizers: :meth:`tritonlm.tokenizer.Tokenizer.from_hf` reads byte-level BPE and SentencePiece-style BPE
+``tokenizer.json`` files.
 """
 
 import os as _os
@@ -35,11 +36,9 @@ from .patch import MODEL_TYPES as _PATCHABLE  # noqa: E402
 from .patch import apply_kernels, remove_kernels  # noqa: E402
 
 #: The tokenizer.json kind each family ships, and whether ``Tokenizer.from_hf`` reads it.
-TOKENIZERS = {"llama": "byte-level BPE (Llama 3); SentencePiece BPE (Llama 2): not yet",
-              "mistral": "SentencePiece BPE: not yet", "mixtral": "SentencePiece BPE: not yet",
-              "gemma": "SentencePiece BPE: not yet",
-              "qwen2": "byte-level BPE", "qwen3": "byte-level BPE", "qwen2_moe": "byte-level BPE",
-              "qwen3_moe": "byte-level BPE"}
+TOKENIZERS = {"llama": "byte-level BPE (Llama 3); SentencePiece BPE (Llama 2)", "mistral": "SentencePiece BPE",
+              "mixtral": "SentencePiece BPE", "gemma": "SentencePiece BPE", "qwen2": "byte-level BPE",
+              "qwen3": "byte-level BPE", "qwen2_moe": "byte-level BPE", "qwen3_moe": "byte-level BPE"}
 #: model_type -> what works with it (README's "Supported models" table is checked against this).
 SUPPORTED_MODELS = {kind: {"architecture": arch, "from_pretrained": True, "apply_kernels": kind in _PATCHABLE,
                            "tokenizer": TOKENIZERS[kind]} for kind, arch in _FAMILIES.items()}
