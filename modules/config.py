@@ -9,12 +9,15 @@ from dataclasses import dataclass
 NORMS = ("rmsnorm", "layernorm", "batchnorm", "none")
 FFNS = ("swiglu", "geglu", "relu", "silu")
 POSITIONS = ("rope", "sinusoidal", "none")
-NORM_POSITIONS = ("pre", "post")
+#: "pre": norm each branch's input (Llama); "post": norm after each residual add (the original Transformer);
+#: "output": norm each branch's output before its residual add, no input norms (OLMo 2)
+NORM_POSITIONS = ("pre", "post", "output")
 
 
 #: RoPE scaling types :func:`check_rope_scaling` accepts, with their required fields.
 ROPE_SCALING_FIELDS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "linear": ("factor",),
 }
 
 
@@ -32,6 +35,8 @@ def check_rope_scaling(scaling) -> dict:
     missing = [f for f in ROPE_SCALING_FIELDS[kind] if f not in scaling]
     if missing:
         raise ValueError(f"rope_scaling {kind!r} lacks {', '.join(missing)}")
+    if kind == "linear" and not (isinstance(scaling["factor"], (int, float)) and scaling["factor"] > 0):
+        raise ValueError(f"rope_scaling 'linear' needs factor > 0, got {scaling!r}")
     if kind == "llama3":
         if not scaling["factor"] > 0 or not scaling["high_freq_factor"] > scaling["low_freq_factor"] > 0:
             raise ValueError("rope_scaling 'llama3' needs factor > 0 and high_freq_factor > low_freq_factor > 0, "
@@ -79,9 +84,19 @@ class ModelConfig:
     # attention options of the model families people fine-tune
     head_dim: int | None = None  # per-head width (None: d_model / num_heads; Qwen3 sets it explicitly)
     qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
-    qk_norm: str | None = None  # "head": RMSNorm of each head's q and k before RoPE (Qwen3)
+    qk_norm: str | None = None  # "head": RMSNorm of each head's q and k before RoPE (Qwen3); "projection": of the
+    # whole q and k projections (OLMo 2)
     norm_offset: bool = False  # RMSNorm scales by (1 + weight), weights starting at 0 (Gemma)
     embedding_scale: float | None = None  # token embeddings times this (Gemma: sqrt(d_model), in the model's dtype)
+    # Gemma 2 / 3
+    post_norms: bool = False  # RMSNorms on the attention and FFN outputs before their residual adds (sandwich)
+    attn_softcap: float | None = None  # attention scores become attn_softcap * tanh(s / attn_softcap) (Gemma 2: 50)
+    final_softcap: float | None = None  # logits become final_softcap * tanh(z / final_softcap) (Gemma 2: 30)
+    query_scale: float | None = None  # softmax scale (None: 1 / sqrt(head dim); Gemma: query_pre_attn_scalar ** -0.5)
+    sliding_window: int | None = None  # a query sees this many most recent positions (its own included)
+    sliding_layers: tuple | None = None  # the layers with the window (None: every layer, when sliding_window is set)
+    local_rope_theta: float | None = None  # RoPE base of the sliding layers, which take no rope_scaling (Gemma 3)
+    partial_rotary: float | None = None  # RoPE on this fraction of each head's features, the first ones (Phi-3)
 
     def __post_init__(self):
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
@@ -105,8 +120,8 @@ class ModelConfig:
                                                  or not self.embedding_scale > 0):
             raise ValueError(f"ModelConfig.embedding_scale must be a positive number or None, got "
                              f"{self.embedding_scale!r}")
-        if self.qk_norm not in (None, "head"):
-            raise ValueError(f"ModelConfig.qk_norm must be None or 'head', got {self.qk_norm!r}")
+        if self.qk_norm not in (None, "head", "projection"):
+            raise ValueError(f"ModelConfig.qk_norm must be None, 'head' or 'projection', got {self.qk_norm!r}")
         if self.num_kv_heads is not None and (not isinstance(self.num_kv_heads, int) or self.num_kv_heads <= 0
                                               or self.num_heads % self.num_kv_heads):
             raise ValueError(f"ModelConfig.num_kv_heads must be a positive divisor of num_heads ({self.num_heads}), "
@@ -122,6 +137,7 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.rope_scaling needs position='rope', got position={self.position!r}")
             check_rope_scaling(self.rope_scaling)
         self._check_moe()
+        self._check_gemma2()
         for name, allowed in (("norm", NORMS), ("ffn", FFNS), ("position", POSITIONS),
                               ("norm_position", NORM_POSITIONS)):
             if getattr(self, name) not in allowed:
@@ -157,6 +173,50 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.moe_layers must be layer indices in [0, {self.num_layers}), got "
                              f"{self.moe_layers!r}")
 
+    def _check_gemma2(self) -> None:
+        if not isinstance(self.post_norms, bool):
+            raise ValueError(f"ModelConfig.post_norms must be a bool, got {self.post_norms!r}")
+        if self.post_norms and (self.norm != "rmsnorm" or self.norm_position != "pre"):
+            raise ValueError("ModelConfig.post_norms needs norm='rmsnorm' and norm_position='pre'")
+        for name in ("attn_softcap", "final_softcap", "query_scale", "local_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 < value < float("inf")):
+                raise ValueError(f"ModelConfig.{name} must be a positive number or None, got {value!r}")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
+                                                or not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
+            raise ValueError(f"ModelConfig.sliding_window must be a positive int or None, got {self.sliding_window!r}")
+        if self.sliding_layers is not None:
+            object.__setattr__(self, "sliding_layers", tuple(self.sliding_layers))  # (JSON gives lists back)
+            if self.sliding_window is None:
+                raise ValueError("ModelConfig.sliding_layers needs sliding_window")
+            if not all(isinstance(i, int) and 0 <= i < self.num_layers for i in self.sliding_layers):
+                raise ValueError(f"ModelConfig.sliding_layers must be layer indices in [0, {self.num_layers}), got "
+                                 f"{self.sliding_layers!r}")
+        if self.partial_rotary is not None:
+            if isinstance(self.partial_rotary, bool) or not isinstance(self.partial_rotary, (int, float)) \
+                    or not 0 < self.partial_rotary <= 1 or self.position != "rope":
+                raise ValueError(f"ModelConfig.partial_rotary must be in (0, 1] with position='rope', got "
+                                 f"{self.partial_rotary!r}")
+            if self.rotary_dim % 2 or self.rotary_dim == 0:
+                raise ValueError(f"ModelConfig.partial_rotary {self.partial_rotary} of head dim {self.d_head} gives "
+                                 f"{self.rotary_dim} rotated features: it must be a positive even number")
+        if self.local_rope_theta is not None and (self.position != "rope" or self.sliding_window is None):
+            raise ValueError("ModelConfig.local_rope_theta needs position='rope' and sliding_window")
+
+    def layer_window(self, index: int) -> int | None:
+        """Layer ``index``'s sliding window (None: causal attention over the whole context)."""
+        if self.sliding_window is None or (self.sliding_layers is not None and index not in self.sliding_layers):
+            return None
+        return self.sliding_window
+
+    def layer_rope(self, index: int) -> tuple[float, dict | None]:
+        """Layer ``index``'s RoPE ``(theta, scaling)``: a sliding layer's own base when ``local_rope_theta`` is set
+        (without scaling, as Gemma 3's local layers), else the model's."""
+        if self.local_rope_theta is not None and self.layer_window(index) is not None:
+            return self.local_rope_theta, None
+        return self.rope_theta, self.rope_scaling
+
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer ``index`` routes its tokens to experts."""
         return self.num_experts > 0 and (self.moe_layers is None or index in self.moe_layers)
@@ -169,6 +229,11 @@ class ModelConfig:
     @property
     def d_head(self) -> int:
         return self.head_dim or self.d_model // self.num_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """The features of each head RoPE turns (all, or the ``partial_rotary`` fraction, as HF rounds it down)."""
+        return self.d_head if self.partial_rotary is None else int(self.d_head * self.partial_rotary)
 
     @property
     def kv_heads(self) -> int:

@@ -23,16 +23,18 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(x)
 
 
-def causal_mask(n_queries: int, n_keys: int, device=None) -> torch.Tensor:
+def causal_mask(n_queries: int, n_keys: int, device=None, window: int | None = None) -> torch.Tensor:
     """Boolean ``[n_queries, n_keys]`` mask, True = attend, aligned to the bottom-right.
 
     Query ``i`` sees key ``j`` when ``j <= i + n_keys - n_queries``: with ``n_queries == n_keys`` that is
     the usual lower triangle; with fewer queries (decoding against a KV cache) the queries are the
-    *last* positions of the sequence.
+    *last* positions of the sequence. A sliding ``window`` also drops keys more than ``window - 1`` positions
+    back (the query sees its ``window`` most recent positions, its own included).
     """
-    q = torch.arange(n_queries, device=device)[:, None]
+    q = torch.arange(n_queries, device=device)[:, None] + (n_keys - n_queries)
     k = torch.arange(n_keys, device=device)[None, :]
-    return k <= q + (n_keys - n_queries)
+    visible = k <= q
+    return visible if window is None else visible & (k > q - window)
 
 
 def scaled_dot_product_attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor,

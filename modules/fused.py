@@ -102,12 +102,18 @@ class MultiHeadSelfAttention(_ref.MultiHeadSelfAttention):
             if norm is not None:
                 norm.__class__ = RMSNorm
 
-    def rotate(self, q, k, positions, trusted: bool = False):
+    def rotate_features(self, q, k, positions, trusted: bool = False):
         return self.rope.rotate_pair(q, k, positions, check_positions=not trusted)
+
+    @property
+    def _window(self):
+        """flash-attn's ``window_size`` of this layer's sliding window (None: none)."""
+        return None if self.window is None else (self.window - 1, 0)
 
     def attend(self, q, k, v):
         # GQA: k, v keep their num_kv_heads heads; the kernel maps each query head to its kv head
-        return _kernels().FlashAttention.apply(q, k, v, True)
+        return _kernels().FlashAttention.apply(q, k, v, True, self.softmax_scale, self._window, None, None, 0, 0, True,
+                                               self.softcap or 0.0)
 
     def attend_paged(self, q, k, v, cache):
         """The paged cache through ``flash_attn_with_kvcache``: the new keys written into the pool in place and
@@ -117,7 +123,8 @@ class MultiHeadSelfAttention(_ref.MultiHeadSelfAttention):
         out = _kernels().flash_attn_with_kvcache(
             q.transpose(-3, -2), k_pool, v_pool, k.transpose(-3, -2).to(k_pool.dtype),
             v.transpose(-3, -2).to(v_pool.dtype), cache_seqlens=pool.cache_seqlens, block_table=pool.block_table,
-            causal=True)
+            causal=True, softmax_scale=self.softmax_scale, window_size=self._window or (-1, -1),
+            softcap=self.softcap or 0.0)
         return out.transpose(-3, -2)
 
     def attend_documents(self, q, k, v, documents):
@@ -125,8 +132,9 @@ class MultiHeadSelfAttention(_ref.MultiHeadSelfAttention):
         (no copy for head-split projections), one causal sequence per document, never a mask."""
         batch, seq = documents.ids.shape
         packed = [t.transpose(-3, -2).reshape(batch * seq, t.shape[-3], t.shape[-1]) for t in (q, k, v)]
-        out = _kernels().FlashAttention.apply(*packed, True, None, None, documents.cu_seqlens, documents.cu_seqlens,
-                                              documents.max_len, documents.max_len)
+        out = _kernels().FlashAttention.apply(*packed, True, self.softmax_scale, self._window, documents.cu_seqlens,
+                                              documents.cu_seqlens, documents.max_len, documents.max_len, True,
+                                              self.softcap or 0.0)
         return out.reshape(batch, seq, q.shape[-3], q.shape[-1]).transpose(-3, -2)
 
 
@@ -149,11 +157,13 @@ class MoEFFN(_ref.MoEFFN):
 
 
 def lm_head_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
-                 label_smoothing: float = 0.0, z_loss: float = 0.0, check_targets: bool = True) -> torch.Tensor:
+                 label_smoothing: float = 0.0, z_loss: float = 0.0, check_targets: bool = True,
+                 softcap: float | None = None) -> torch.Tensor:
     """:func:`reference.lm_head_loss` as the fused linear cross-entropy: the ``[tokens, vocab]`` logits are never
     formed. ``check_targets=False`` skips the range check (its host sync) for targets validated once already."""
     return _kernels().linear_cross_entropy(hidden, head.weight, targets, ignore_index=ignore_index,
-                                           label_smoothing=label_smoothing, z_loss=z_loss, check_targets=check_targets)
+                                           label_smoothing=label_smoothing, z_loss=z_loss, check_targets=check_targets,
+                                           softcap=softcap)
 
 
 class TransformerBlock(_Block):

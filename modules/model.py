@@ -94,7 +94,8 @@ def _add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple
 
 class TransformerBlock(nn.Module):
     """One decoder block. Pre-norm (default): ``h = x + attn(ln1(x))``, ``out = h + ffn(ln2(h))``.
-    Post-norm: ``h = ln1(x + attn(x))``, ``out = ln2(h + ffn(h))``. ``norm="none"`` drops both norms.
+    Post-norm: ``h = ln1(x + attn(x))``, ``out = ln2(h + ffn(h))``. Output norms (OLMo 2): ``h = x + ln1(attn(x))``,
+    ``out = h + ln2(ffn(h))``. ``norm="none"`` drops both norms.
 
     Built from a :class:`ModelConfig` (``TransformerBlock(config)``, what :class:`TransformerLM` does), or from
     the CS336 arguments ``(d_model, num_heads, d_ff, max_seq_len, theta)`` plus keyword options, which build that
@@ -119,15 +120,27 @@ class TransformerBlock(nn.Module):
         self.backend = resolve_backend(backend, device)
         comps = components(self.backend)
         self.norm_position = config.norm_position
-        theta = config.rope_theta if config.position == "rope" else None
+        theta, rope_scaling = config.layer_rope(layer_idx)
+        if config.position != "rope":
+            theta = None
         self.ln1 = _make_norm(config.norm, comps, config.d_model, device, dtype, config.norm_eps, config.norm_offset)
         self.attn = comps.MultiHeadSelfAttention(config.d_model, config.num_heads, config.context_length, theta,
                                                  device=device, dtype=dtype, num_kv_heads=config.num_kv_heads,
-                                                 rope_scaling=config.rope_scaling, head_dim=config.head_dim,
+                                                 rope_scaling=rope_scaling, head_dim=config.head_dim,
                                                  qkv_bias=config.qkv_bias, qk_norm=config.qk_norm,
-                                                 norm_eps=config.norm_eps)
+                                                 norm_eps=config.norm_eps, norm_offset=config.norm_offset,
+                                                 softmax_scale=config.query_scale, softcap=config.attn_softcap,
+                                                 window=config.layer_window(layer_idx),
+                                                 rotary_dim=config.rotary_dim if config.position == "rope" else None)
         self.ln2 = _make_norm(config.norm, comps, config.d_model, device, dtype, config.norm_eps, config.norm_offset)
         self.ffn = _make_ffn(config.ffn, comps, config.d_model, config.d_ff, device, dtype, config, layer_idx)
+        # sandwich norms (Gemma 2 / 3): each branch's output normed before its residual add
+        self.attn_post_norm = self.ffn_post_norm = None
+        if config.post_norms:
+            self.attn_post_norm = _make_norm("rmsnorm", comps, config.d_model, device, dtype, config.norm_eps,
+                                             config.norm_offset)
+            self.ffn_post_norm = _make_norm("rmsnorm", comps, config.d_model, device, dtype, config.norm_eps,
+                                            config.norm_offset)
 
     def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None,
                 kv_cache=None, *, pending: torch.Tensor | None = None, return_pending: bool = False,
@@ -138,6 +151,9 @@ class TransformerBlock(nn.Module):
         if self.norm_position == "pre":
             h, ffn_out = self.forward_pending(x, pending, token_positions, kv_cache, documents)
             return (h, ffn_out) if return_pending else h + ffn_out
+        if self.norm_position == "output":  # (OLMo 2) each branch's output normed, then added
+            h = x + self.ln1(self.attn(x, token_positions, kv_cache, documents))
+            return h + self.ln2(self.ffn(h))
         h = self.ln1(x + self.attn(x, token_positions, kv_cache, documents))
         return self.ln2(h + self.ffn(h))
 
@@ -154,8 +170,14 @@ class TransformerBlock(nn.Module):
             h_in, a = residual, self.ln1(residual)
         else:
             a, h_in = _add_norm(self.ln1, pending, residual)
-        y, h = _add_norm(self.ln2, self.attn(a, token_positions, kv_cache, documents), h_in)
-        return h, self.ffn(y)
+        attn_out = self.attn(a, token_positions, kv_cache, documents)
+        if self.attn_post_norm is not None:
+            attn_out = self.attn_post_norm(attn_out)
+        y, h = _add_norm(self.ln2, attn_out, h_in)
+        ffn_out = self.ffn(y)
+        if self.ffn_post_norm is not None:
+            ffn_out = self.ffn_post_norm(ffn_out)
+        return h, ffn_out
 
 
 class TransformerLM(nn.Module):
@@ -199,13 +221,15 @@ class TransformerLM(nn.Module):
             self.position_encoding = None
         self.layers = nn.ModuleList(TransformerBlock(config, device=device, dtype=dtype, backend=self.backend,
                                                      layer_idx=i) for i in range(config.num_layers))
-        # one RoPE module (its cos/sin tables) shared by every layer: long-context checkpoints would otherwise
-        # hold num_layers copies of [context_length, d_head / 2] tables
-        ropes = [layer.attn.rope for layer in self.layers]
-        for layer in self.layers[1:]:
-            layer.attn.rope = ropes[0]
+        # one RoPE module (its cos/sin tables) shared by every layer with the same base and scaling: long-context
+        # checkpoints would otherwise hold num_layers copies of [context_length, d_head / 2] tables (Gemma 3's
+        # local layers keep their own)
+        shared = {}
+        for i, layer in enumerate(self.layers):
+            if layer.attn.rope is not None:
+                layer.attn.rope = shared.setdefault(repr(config.layer_rope(i)), layer.attn.rope)
         self.ln_final = (_make_norm(config.norm, comps, config.d_model, device, dtype, config.norm_eps,
-                                    config.norm_offset) if config.norm_position == "pre" else nn.Identity())
+                                    config.norm_offset) if config.norm_position != "post" else nn.Identity())
         self.lm_head = comps.Linear(config.d_model, config.vocab_size, device=device, dtype=dtype)
         if config.tie_embeddings:
             # the shared matrix keeps the head's init (std sqrt(2 / (d_model + vocab))): the embedding's std 1
@@ -233,7 +257,9 @@ class TransformerLM(nn.Module):
             return self._loss_from_hidden(hidden, targets, **loss_options)
         if loss_options:
             raise TypeError(f"loss options {sorted(loss_options)} given without targets")
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        cap = self.config.final_softcap
+        return logits if cap is None else cap * torch.tanh(logits / cap)
 
     def loss(self, token_ids: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
              label_smoothing: float = 0.0, z_loss: float = 0.0, document_ids: torch.Tensor | None = None,
@@ -282,7 +308,7 @@ class TransformerLM(nn.Module):
         # data, so a trainer that validated it once (check_ids off) skips the per-step range check (a host sync)
         loss = components(self.backend).lm_head_loss(
             self.lm_head, hidden, targets, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
-            check_targets=self.token_embeddings.check_ids)
+            check_targets=self.token_embeddings.check_ids, softcap=self.config.final_softcap)
         with_aux = self.training if aux_loss is None else aux_loss
         if with_aux and self.config.num_experts and self.config.router_aux_loss_coef:
             loss = loss + self.config.router_aux_loss_coef * self.router_aux_loss()
@@ -319,7 +345,7 @@ class TransformerLM(nn.Module):
                 token_positions = (kv_caches[0].positions(seq) if paged
                                    else torch.arange(past, past + seq, device=token_ids.device))
             x = self.position_encoding(x, token_positions)
-        if self.config.norm_position == "post":
+        if self.config.norm_position != "pre":
             for i, layer in enumerate(self.layers):
                 x = layer(x, token_positions, kv_caches[i] if kv_caches else None, documents=documents)
             return self.ln_final(x)

@@ -240,7 +240,8 @@ def scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tenso
     ``"llama3"`` (Llama 3.1's long-context recipe): with ``L = original_max_position_embeddings``, a frequency
     whose wavelength ``2π / f`` exceeds ``L / low_freq_factor`` is divided by ``factor``, one shorter than
     ``L / high_freq_factor`` is kept, and those between interpolate linearly in ``L / wavelength`` from
-    ``f / factor`` to ``f``.
+    ``f / factor`` to ``f``. ``"linear"`` (position interpolation; Gemma 3's global layers): every frequency divided
+    by ``factor``.
     """
 
     if scaling is None:
@@ -248,6 +249,8 @@ def scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tenso
     kind = check_rope_scaling(scaling).get("rope_type", scaling.get("type"))
     if kind == "default":
         return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
     factor, low, high = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     original = float(scaling["original_max_position_embeddings"])
     wavelength = 2 * math.pi / inv_freq
@@ -389,12 +392,13 @@ class MoEFFN(nn.Module):
 
 
 def lm_head_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
-                 label_smoothing: float = 0.0, z_loss: float = 0.0, check_targets: bool = True) -> torch.Tensor:
+                 label_smoothing: float = 0.0, z_loss: float = 0.0, check_targets: bool = True,
+                 softcap: float | None = None) -> torch.Tensor:
     """The LM loss of ``hidden[..., d_model]`` through ``head`` (its ``[..., vocab]`` logits formed whole, then
-    :func:`functional.cross_entropy`); the fused twin never forms them. ``check_targets`` is the fused path's
-    (here an out-of-range target fails in the indexing)."""
+    :func:`functional.cross_entropy`, with a logit ``softcap`` when given); the fused twin never forms them.
+    ``check_targets`` is the fused path's (here an out-of-range target fails in the indexing)."""
     return F.cross_entropy(head(hidden), targets, ignore_index=ignore_index, label_smoothing=label_smoothing,
-                           z_loss=z_loss)
+                           z_loss=z_loss, softcap=softcap)
 
 
 class MultiHeadSelfAttention(nn.Module):
@@ -405,21 +409,27 @@ class MultiHeadSelfAttention(nn.Module):
     to ``num_heads``; fewer is grouped-query attention), rows grouped by head (head ``h`` owns rows
     ``h*d_k:(h+1)*d_k``). RoPE is applied when ``theta`` is given. Options real checkpoints need: ``qkv_bias``
     (biases on q, k, v: Qwen2) and ``qk_norm="head"`` (an RMSNorm of each head's q and k over ``d_k`` before RoPE,
-    weights ``q_norm.weight`` / ``k_norm.weight``: Qwen3), with ``norm_eps``.
+    weights ``q_norm.weight`` / ``k_norm.weight``: Qwen3; ``"projection"``: over the whole q and k projections,
+    OLMo 2), with ``norm_eps`` (and ``norm_offset``: Gemma 3's
+    ``x̂ · (1 + w)``). Gemma 2 / 3: ``softmax_scale`` (default ``1 / sqrt(d_k)``), ``softcap`` (scores become
+    ``softcap · tanh(s / softcap)``) and ``window`` (a query sees its ``window`` most recent positions). Phi-3:
+    ``rotary_dim`` (RoPE on each head's first ``rotary_dim`` features only).
     """
 
     def __init__(self, d_model: int, num_heads: int, max_seq_len: int | None = None,
                  theta: float | None = None, device=None, dtype=None, *, num_kv_heads: int | None = None,
                  rope_scaling: dict | None = None, head_dim: int | None = None, qkv_bias: bool = False,
-                 qk_norm: str | None = None, norm_eps: float = 1e-5):
+                 qk_norm: str | None = None, norm_eps: float = 1e-5, norm_offset: bool = False,
+                 softmax_scale: float | None = None, softcap: float | None = None, window: int | None = None,
+                 rotary_dim: int | None = None):
         super().__init__()
         if head_dim is None and d_model % num_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_kv_heads <= 0 or num_heads % num_kv_heads:
             raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
-        if qk_norm not in (None, "head"):
-            raise ValueError(f"qk_norm must be None or 'head', got {qk_norm!r}")
+        if qk_norm not in (None, "head", "projection"):
+            raise ValueError(f"qk_norm must be None, 'head' or 'projection', got {qk_norm!r}")
         self.d_model, self.num_heads, self.d_k = d_model, num_heads, head_dim or d_model // num_heads
         self.num_kv_heads = num_kv_heads
         self.max_seq_len = max_seq_len
@@ -430,12 +440,20 @@ class MultiHeadSelfAttention(nn.Module):
         self.output_proj = Linear(num_heads * self.d_k, d_model, device=device, dtype=dtype)
         self.q_norm = self.k_norm = None
         if qk_norm == "head":
-            self.q_norm = RMSNorm(self.d_k, norm_eps, device=device, dtype=dtype)
-            self.k_norm = RMSNorm(self.d_k, norm_eps, device=device, dtype=dtype)
+            self.q_norm = RMSNorm(self.d_k, norm_eps, device=device, dtype=dtype, offset=norm_offset)
+            self.k_norm = RMSNorm(self.d_k, norm_eps, device=device, dtype=dtype, offset=norm_offset)
+        elif qk_norm == "projection":  # (OLMo 2) over all heads of the projection at once
+            self.q_norm = RMSNorm(num_heads * self.d_k, norm_eps, device=device, dtype=dtype, offset=norm_offset)
+            self.k_norm = RMSNorm(num_kv_heads * self.d_k, norm_eps, device=device, dtype=dtype, offset=norm_offset)
+        self.qk_norm = qk_norm
+        self.softmax_scale, self.softcap, self.window = softmax_scale, softcap, window
         if theta is not None:
             if max_seq_len is None:
                 raise ValueError("RoPE (theta given) needs max_seq_len")
-            self.rope = RotaryPositionalEmbedding(theta, self.d_k, max_seq_len, device=device, scaling=rope_scaling)
+            rotary_dim = self.d_k if rotary_dim is None else rotary_dim
+            if not (0 < rotary_dim <= self.d_k and rotary_dim % 2 == 0):
+                raise ValueError(f"rotary_dim must be even and in (0, {self.d_k}], got {rotary_dim}")
+            self.rope = RotaryPositionalEmbedding(theta, rotary_dim, max_seq_len, device=device, scaling=rope_scaling)
         else:
             self.rope = None
 
@@ -448,10 +466,13 @@ class MultiHeadSelfAttention(nn.Module):
         past = kv_cache.length if kv_cache is not None else 0
         if self.max_seq_len is not None and past + seq > self.max_seq_len:
             raise ValueError(f"sequence length {past + seq} exceeds max_seq_len {self.max_seq_len}")
-        q = rearrange(self.q_proj(x), "... seq (heads d_k) -> ... heads seq d_k", heads=self.num_heads)
-        k, v = (rearrange(proj(x), "... seq (kv_heads d_k) -> ... kv_heads seq d_k", kv_heads=self.num_kv_heads)
-                for proj in (self.k_proj, self.v_proj))
-        if self.q_norm is not None:  # each head's q and k normalised over d_k, before RoPE
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "projection":  # q and k normalised over the whole projection, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rearrange(q, "... seq (heads d_k) -> ... heads seq d_k", heads=self.num_heads)
+        k, v = (rearrange(t, "... seq (kv_heads d_k) -> ... kv_heads seq d_k", kv_heads=self.num_kv_heads)
+                for t in (k, v))
+        if self.qk_norm == "head":  # each head's q and k normalised over d_k, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         paged = isinstance(kv_cache, PagedLayerCache)
         if self.rope is not None:
@@ -473,7 +494,16 @@ class MultiHeadSelfAttention(nn.Module):
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, trusted: bool = False):
         """RoPE on ``q`` and ``k`` (``[..., heads, seq, d_k]``) at ``positions[..., 1, seq]``; ``trusted``
-        positions were generated here and need no range check."""
+        positions were generated here and need no range check. With a partial rotary dim (Phi-3) only each head's
+        first ``rotary_dim`` features turn; the rest pass through."""
+        rotary_dim = self.rope.d_k
+        if rotary_dim < self.d_k:
+            q_rot, k_rot = self.rotate_features(q[..., :rotary_dim], k[..., :rotary_dim], positions, trusted)
+            return torch.cat((q_rot, q[..., rotary_dim:]), dim=-1), torch.cat((k_rot, k[..., rotary_dim:]), dim=-1)
+        return self.rotate_features(q, k, positions, trusted)
+
+    def rotate_features(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, trusted: bool = False):
+        """RoPE on all of ``q``'s and ``k``'s last dim (the RoPE module's ``d_k``)."""
         if trusted:  # generated here: skip the per-layer host-side range check (a device sync)
             return self.rope.rotate(q, positions), self.rope.rotate(k, positions)
         return self.rope(q, positions), self.rope(k, positions)
@@ -484,15 +514,19 @@ class MultiHeadSelfAttention(nn.Module):
         group = self.num_heads // self.num_kv_heads
         if group > 1:
             k, v = (repeat(t, "... kv_heads seq d_k -> ... (kv_heads group) seq d_k", group=group) for t in (k, v))
-        mask = F.causal_mask(q.shape[-2], k.shape[-2], device=q.device)
-        return F.scaled_dot_product_attention(q, k, v, mask)
+        mask = F.causal_mask(q.shape[-2], k.shape[-2], device=q.device, window=self.window)
+        return F.scaled_dot_product_attention(q, k, v, mask, scale=self.softmax_scale, softcap=self.softcap or 0.0)
 
     def attend_documents(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents):
         """Causal attention within each packed document: an explicit block-diagonal causal mask."""
         group = self.num_heads // self.num_kv_heads
         if group > 1:
             k, v = (repeat(t, "... kv_heads seq d_k -> ... (kv_heads group) seq d_k", group=group) for t in (k, v))
-        return F.scaled_dot_product_attention(q, k, v, documents.mask())
+        mask = documents.mask()
+        if self.window is not None:  # (within a document, flat index differences are position differences)
+            seq = mask.shape[-1]
+            mask = mask & F.causal_mask(seq, seq, device=q.device, window=self.window)
+        return F.scaled_dot_product_attention(q, k, v, mask, scale=self.softmax_scale, softcap=self.softcap or 0.0)
 
     def attend_paged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedLayerCache):
         """A batch of sequences of different lengths against a paged cache (``q[batch, heads, seq, d_k]``, the
@@ -509,7 +543,10 @@ class MultiHeadSelfAttention(nn.Module):
         query_pos = cache.positions(q.shape[-2])                            # [batch, seq]
         key_pos = torch.arange(keys.shape[-2], device=q.device)
         visible = key_pos[None, None, :] <= query_pos[:, :, None]           # [batch, seq, keys]
-        return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), visible[:, None])
+        if self.window is not None:
+            visible &= key_pos[None, None, :] > query_pos[:, :, None] - self.window
+        return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), visible[:, None],
+                                              scale=self.softmax_scale, softcap=self.softcap or 0.0)
 
 
 # the assembly builds its components from this namespace for backend="reference"

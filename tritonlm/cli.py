@@ -430,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "scaling table across presets and sequence lengths.")
     p.add_argument("--preset", default="gpt2-xl", help="model preset (default gpt2-xl)")
     p.add_argument("--hf", metavar="HF_DIR",
-                   help="account for a local Hugging Face Llama/Mistral/Mixtral/Qwen2/Qwen3/Qwen-MoE model instead (its config.json)")
+                   help="account for a local Hugging Face Llama/Mistral/Mixtral/Gemma/Qwen (any family of tritonlm.hf.SUPPORTED_MODELS) model instead (its config.json)")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
     p.add_argument("--batch", type=int, default=1, help="sequences per batch (default 1)")
     p.add_argument("--num-kv-heads", type=int, default=None,
@@ -452,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="tokenizer to use: a directory with vocab.json + merges.txt (GPT-2 format) "
                                        "or a Hugging Face tokenizer.json, or the path of that tokenizer.json")
     p.add_argument("--init-from", metavar="HF_DIR",
-                   help="fine-tune a local Hugging Face Llama/Mistral/Mixtral/Qwen2/Qwen3/Qwen-MoE model (config.json + safetensors): its sizes, "
+                   help="fine-tune a local Hugging Face Llama/Mistral/Mixtral/Gemma/Qwen (any family of tritonlm.hf.SUPPORTED_MODELS) model (config.json + safetensors): its sizes, "
                         "weights and tokenizer.json; only --context-length (training length, default "
                         "min(1024, the model's)) may be changed")
     p.add_argument("--preset", default="tiny", help="model size preset (default tiny; see `tritonlm accounting`)")
@@ -501,7 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("generate", help="sample text from a trained checkpoint or a Hugging Face model",
-                       description="Load a training output directory, or a local Hugging Face Llama/Mistral/Mixtral/Qwen2/Qwen3/Qwen-MoE "
+                       description="Load a training output directory, or a local Hugging Face Llama/Mistral/Mixtral/Gemma/Qwen (any family of tritonlm.hf.SUPPORTED_MODELS) "
                                    "directory (config.json, safetensors, tokenizer.json), and continue a prompt "
                                    "(KV-cached decoding). --prompt-file decodes many prompts together in batched "
                                    "steps through a paged KV cache, each stopping on its own.")

@@ -59,7 +59,7 @@ class TrainConfig:
 
     data: str | None = None
     tokenizer: str | None = None
-    init_from: str | None = None  # a local Hugging Face Llama/Mistral/Mixtral/Qwen2/Qwen3/Qwen-MoE directory: its sizes, weights, tokenizer
+    init_from: str | None = None  # a local Hugging Face Llama/Mistral/Mixtral/Gemma/Qwen (any family of tritonlm.hf.SUPPORTED_MODELS) directory: its sizes, weights, tokenizer
     preset: str = "tiny"
     model_overrides: dict = field(default_factory=dict)
     max_steps: int = 300

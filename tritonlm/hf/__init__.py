@@ -37,7 +37,9 @@ from .patch import apply_kernels, remove_kernels  # noqa: E402
 
 #: The tokenizer.json kind each family ships, and whether ``Tokenizer.from_hf`` reads it.
 TOKENIZERS = {"llama": "byte-level BPE (Llama 3); SentencePiece BPE (Llama 2)", "mistral": "SentencePiece BPE",
-              "mixtral": "SentencePiece BPE", "gemma": "SentencePiece BPE", "qwen2": "byte-level BPE",
+              "mixtral": "SentencePiece BPE", "gemma": "SentencePiece BPE", "gemma2": "SentencePiece BPE",
+              "gemma3_text": "SentencePiece BPE", "olmo2": "byte-level BPE", "phi3": "SentencePiece BPE",
+              "qwen2": "byte-level BPE",
               "qwen3": "byte-level BPE", "qwen2_moe": "byte-level BPE", "qwen3_moe": "byte-level BPE"}
 #: model_type -> what works with it (README's "Supported models" table is checked against this).
 SUPPORTED_MODELS = {kind: {"architecture": arch, "from_pretrained": True, "apply_kernels": kind in _PATCHABLE,

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints <-> :class:`~tritonlm.modules.TransformerLM`: Llama, Mistral, Mixtral, Qwen2, Qwen3,
+"""Hugging Face checkpoints <-> :class:`~tritonlm.modules.TransformerLM`: Llama, Mistral, Mixtral, Gemma 1/2/3, Qwen2, Qwen3,
 Qwen2-MoE and Qwen3-MoE (:data:`FAMILIES`).
 
 Two differences between the layouts, everything else is a rename:
@@ -11,6 +11,12 @@ Two differences between the layouts, everything else is a rename:
   per-head q/k RMSNorms (Qwen3: ``qk_norm="head"``, weights permuted alike), an explicit ``head_dim``, dense
   layers among the MoE ones (``mlp_only_layers`` / ``decoder_sparse_step`` -> ``moe_layers``) and Qwen2-MoE's gated
   shared expert (``shared_expert_d_ff``).
+* Gemma 2 / 3's sandwich norms: their ``post_attention_layernorm`` norms the attention output (our
+  ``attn_post_norm``), ``pre_feedforward_layernorm`` is our ``ln2`` and ``post_feedforward_layernorm`` our
+  ``ffn_post_norm``; windows, softcaps, the query scale and Gemma 3's local RoPE base are model options.
+* Phi-3's fused projections: ``qkv_proj`` (q, k, v rows in that order) and ``gate_up_proj`` (gate rows, then up)
+  are split on load and fused again on save; with ``partial_rotary_factor`` only each head's first rotary rows meet
+  RoPE, so only they are permuted.
 * MoE experts. Files hold them per expert (``block_sparse_moe.experts.{j}.w1/w2/w3``, what the Hub has and
   transformers 4.x writes) or stacked (transformers 5's ``mlp.experts.gate_up_proj`` / ``down_proj``); both load
   into the stacked layout the model keeps, and checkpoints are written per expert, which both versions read.
@@ -33,12 +39,21 @@ logger = logging.getLogger("tritonlm")
 
 #: model_type -> its causal-LM class (what config.json's "architectures" names)
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-            "gemma": "GemmaForCausalLM",
+            "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+            "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM"}
 ARCHITECTURES = tuple(FAMILIES.values())
 MODEL_TYPES = tuple(FAMILIES)
 _QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+_GEMMA = ("gemma", "gemma2", "gemma3_text")
+#: Gemma 2 / 3's sandwich norms: ours -> HF (their post_attention_layernorm is the attention output's norm, and the
+#: FFN's input norm is pre_feedforward_layernorm)
+SANDWICH_KEYS = {"attn_post_norm.weight": "post_attention_layernorm.weight",
+                 "ln2.weight": "pre_feedforward_layernorm.weight",
+                 "ffn_post_norm.weight": "post_feedforward_layernorm.weight"}
+#: OLMo 2's output norms (no input norms): ours -> HF
+OUTPUT_NORM_KEYS = {"ln1.weight": "post_attention_layernorm.weight", "ln2.weight": "post_feedforward_layernorm.weight"}
 
 #: ours (inside ``layers.{i}.``) -> HF (inside ``model.layers.{i}.``)
 LAYER_KEYS = {
@@ -110,10 +125,11 @@ def model_config_from_hf(cfg: dict, context_length: int | None = None) -> ModelC
     unsupported = [a for a in archs if a not in ARCHITECTURES]
     if unsupported:
         raise ValueError(f"architectures {unsupported} not supported (supported: {', '.join(ARCHITECTURES)})")
-    gemma = model_type == "gemma"
-    act = cfg.get("hidden_act", "gelu_pytorch_tanh" if gemma else "silu")
+    gemma = model_type in _GEMMA
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act", "gelu_pytorch_tanh" if gemma else "silu")
     if gemma and act != "gelu_pytorch_tanh":
-        raise ValueError(f"hidden_act {act!r} is not supported for gemma: its GeGLU FFN uses gelu_pytorch_tanh")
+        raise ValueError(f"hidden_act {act!r} is not supported for {model_type}: its GeGLU FFN uses "
+                         "gelu_pytorch_tanh")
     if not gemma and act not in ("silu", "swish"):  # transformers maps "swish" to SiLU as well
         raise ValueError(f"hidden_act {act!r} is not supported: the SwiGLU FFN uses silu")
     if cfg.get("use_bidirectional_attention"):
@@ -131,7 +147,9 @@ def model_config_from_hf(cfg: dict, context_length: int | None = None) -> ModelC
     qwen = model_type in _QWEN
     if qwen and (cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or [])):
         raise ValueError("use_sliding_window=true is not supported for Qwen models (per-layer windows)")
-    window = None if qwen else cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    # (Gemma 2 / 3 window their own layers, see _gemma_fields; a Mistral window caps the context)
+    window = (None if qwen or model_type in (*_GEMMA, "phi3")
+              else cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None)
     limit = min(max_positions, window) if window else max_positions
     if window and window < max_positions and (context_length is None or context_length > window):
         logger.info("sliding_window=%d < max_position_embeddings=%d: context capped at the window, where "
@@ -142,16 +160,74 @@ def model_config_from_hf(cfg: dict, context_length: int | None = None) -> ModelC
         raise ValueError(f"context_length {context_length} exceeds what the checkpoint supports ({limit}"
                          f"{', its sliding_window' if limit == window else ''})")
     kv_heads = cfg.get("num_key_value_heads") or heads
-    return ModelConfig(
+    fields = dict(
         vocab_size=cfg["vocab_size"], context_length=int(context_length), d_model=d_model,
         num_layers=cfg["num_hidden_layers"], num_heads=heads, d_ff=cfg["intermediate_size"], rope_theta=theta,
         num_kv_heads=None if kv_heads == heads else kv_heads, norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), rope_scaling=scaling,
         head_dim=None if head_dim is None or head_dim * heads == d_model else int(head_dim),
         qkv_bias=bool(cfg.get("qkv_bias", True)) if model_type in ("qwen2", "qwen2_moe") else False,
-        qk_norm="head" if model_type in ("qwen3", "qwen3_moe") else None, **_moe_fields(cfg),
+        qk_norm=("head" if model_type in ("qwen3", "qwen3_moe", "gemma3_text")
+                 else "projection" if model_type == "olmo2" else None), **_moe_fields(cfg),
+        # OLMo 2: each branch's output normed before its residual add, q/k norms over whole projections
+        **(dict(norm_position="output") if model_type == "olmo2" else {}),
+        **(_phi3_fields(cfg) if model_type == "phi3" else {}),
         # Gemma: GeGLU, RMSNorm x̂·(1 + w), embeddings times sqrt(hidden_size)
-        **(dict(ffn="geglu", norm_offset=True, embedding_scale=float(d_model) ** 0.5) if gemma else {}))
+        **(dict(ffn="geglu", norm_offset=True, embedding_scale=float(d_model) ** 0.5) if gemma else {}),
+    )
+    fields.update(_gemma_fields(cfg, theta, scaling))  # (Gemma 3 replaces the RoPE fields)
+    return ModelConfig(**fields)
+
+
+def _phi3_fields(cfg: dict) -> dict:
+    """Phi-3: RoPE on the ``partial_rotary_factor`` of each head (transformers 5 keeps it in ``rope_parameters``), a
+    sliding window on every layer; dropout (training-time noise the model does not have) must be off."""
+    for field in ("resid_pdrop", "embd_pdrop", "attention_dropout"):
+        if cfg.get(field):
+            raise ValueError(f"{field}={cfg[field]} is not supported: TransformerLM has no dropout")
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    factor = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    window = cfg.get("sliding_window")
+    return dict(partial_rotary=None if factor == 1.0 else factor, sliding_window=int(window) if window else None)
+
+
+def _gemma_fields(cfg: dict, theta: float, scaling: dict | None) -> dict:
+    """Gemma 2 / 3: sandwich norms, the softmax scale ``query_pre_attn_scalar ** -0.5``, the logit softcaps (Gemma 3's
+    attention applies none), sliding windows on the layers ``layer_types`` names (older configs: every other layer /
+    five in six), and Gemma 3's own RoPE base (and no scaling) on the sliding layers."""
+    kind = cfg.get("model_type")
+    if kind not in ("gemma2", "gemma3_text"):
+        return {}
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        period = 2 if kind == "gemma2" else int(cfg.get("sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(layers)]
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"layer_types {types} is not one 'sliding_attention' / 'full_attention' per layer")
+    window = cfg.get("sliding_window")
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if sliding and not window:
+        raise ValueError("layer_types names sliding layers but sliding_window is not set")
+    out = dict(post_norms=True, query_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+               final_softcap=cfg.get("final_logit_softcapping"),
+               attn_softcap=cfg.get("attn_logit_softcapping") if kind == "gemma2" else None,
+               sliding_window=int(window) if sliding else None,
+               sliding_layers=None if not sliding or len(sliding) == layers else sliding)
+    if kind == "gemma3_text":
+        params = cfg.get("rope_parameters")
+        if isinstance(params, dict) and "full_attention" in params:  # transformers 5: one dict per layer type
+            full, local = params["full_attention"], params.get("sliding_attention") or {}
+            theta = float(full.get("rope_theta", 1_000_000.0))
+            kind_full = full.get("rope_type", "default")
+            scaling = None if kind_full == "default" else {k: v for k, v in full.items() if k != "rope_theta"}
+            local_theta = float(local.get("rope_theta", 10_000.0))
+            if local.get("rope_type", "default") != "default":
+                raise ValueError(f"rope_parameters.sliding_attention {local} is not supported (default RoPE only)")
+        else:
+            local_theta = float(cfg.get("rope_local_base_freq", 10_000.0))
+        out.update(rope_theta=theta, rope_scaling=scaling, local_rope_theta=local_theta if sliding else None)
+    return out
 
 
 def _moe_fields(cfg: dict) -> dict:
@@ -186,19 +262,55 @@ def hf_model_type(cfg: ModelConfig) -> str:
     """The HF family that represents a model: Qwen3 (q/k norms), Qwen2 (q/k/v biases; MoE: Qwen2-MoE, which also
     holds a shared expert), Mixtral (MoE on every layer, renormalised top-k), else Llama; a ``ValueError`` naming
     what no family holds."""
-    if (cfg.norm, cfg.position, cfg.norm_position) != ("rmsnorm", "rope", "pre"):
-        raise ValueError("only the Llama layout (pre-norm RMSNorm, RoPE) has an HF equivalent; "
-                         f"this model has norm={cfg.norm!r}, position={cfg.position!r}, "
+    if (cfg.norm, cfg.position) != ("rmsnorm", "rope") or cfg.norm_position == "post":
+        raise ValueError("only the Llama layout (pre-norm RMSNorm, RoPE) and OLMo 2's output norms have an HF "
+                         f"equivalent; this model has norm={cfg.norm!r}, position={cfg.position!r}, "
                          f"norm_position={cfg.norm_position!r}")
+    if cfg.partial_rotary is not None or (cfg.sliding_window is not None and not cfg.post_norms):
+        # Phi-3: partial RoPE and / or one window on every layer, otherwise Llama
+        plain = (cfg.ffn == "swiglu" and not cfg.num_experts and not cfg.qkv_bias and not cfg.qk_norm
+                 and not cfg.norm_offset and cfg.embedding_scale is None and cfg.sliding_layers is None
+                 and cfg.attn_softcap is None and cfg.final_softcap is None and cfg.query_scale is None
+                 and cfg.local_rope_theta is None and cfg.norm_position == "pre")
+        if not plain:
+            raise ValueError("partial_rotary or a window on every layer maps to Phi-3, which is otherwise Llama; this "
+                             "model has other options as well")
+        return "phi3"
+    if cfg.norm_position == "output" or cfg.qk_norm == "projection":
+        plain = (cfg.ffn == "swiglu" and not cfg.num_experts and not cfg.qkv_bias and not cfg.norm_offset
+                 and cfg.embedding_scale is None and not cfg.post_norms and cfg.sliding_window is None
+                 and cfg.attn_softcap is None and cfg.final_softcap is None and cfg.query_scale is None)
+        if cfg.norm_position != "output" or cfg.qk_norm != "projection" or not plain:
+            raise ValueError("output norms and q/k norms over whole projections map to OLMo 2, which has both and "
+                             f"nothing else beyond Llama; this model has norm_position={cfg.norm_position!r}, "
+                             f"qk_norm={cfg.qk_norm!r}")
+        return "olmo2"
     moe = bool(cfg.num_experts)
     gemma = (cfg.ffn == "geglu", cfg.norm_offset, cfg.embedding_scale is not None)
+    gemma2 = {"post_norms": cfg.post_norms, "attn_softcap": cfg.attn_softcap, "final_softcap": cfg.final_softcap,
+              "query_scale": cfg.query_scale, "sliding_window": cfg.sliding_window,
+              "local_rope_theta": cfg.local_rope_theta}
     if any(gemma):
         if not all(gemma) or abs(cfg.embedding_scale - cfg.d_model ** 0.5) > 1e-6 * cfg.d_model ** 0.5 or moe \
-                or cfg.qk_norm or cfg.qkv_bias:
+                or cfg.qkv_bias:
             raise ValueError("GeGLU, RMSNorm (1 + w) and an embedding scale map to Gemma, which has all three (the "
-                             "scale sqrt(d_model)) and no experts, q/k norms or biases; this model has ffn="
+                             "scale sqrt(d_model)) and no experts or biases; this model has ffn="
                              f"{cfg.ffn!r}, norm_offset={cfg.norm_offset!r}, embedding_scale={cfg.embedding_scale!r}")
-        return "gemma"
+        if not cfg.post_norms:
+            if any(v not in (None, False) for v in gemma2.values()) or cfg.qk_norm:
+                raise ValueError("Gemma (1) has no sandwich norms, softcaps, query scale, sliding windows or q/k norms: "
+                                 "set post_norms=True for Gemma 2 / 3")
+            return "gemma"
+        if cfg.qk_norm:  # Gemma 3: q/k norms, no attention softcap
+            if cfg.attn_softcap is not None:
+                raise ValueError("Gemma 3 (q/k norms) applies no attention softcap; attn_softcap has no HF family")
+            return "gemma3_text"
+        if cfg.local_rope_theta is not None:
+            raise ValueError("local_rope_theta without q/k norms has no HF family (Gemma 3 has both)")
+        return "gemma2"
+    if any(v not in (None, False) for v in gemma2.values()):
+        raise ValueError(f"{', '.join(k for k, v in gemma2.items() if v not in (None, False))} map only to Gemma 2 / 3 "
+                         "(with GeGLU, RMSNorm (1 + w) and the embedding scale)")
     if cfg.ffn != "swiglu":
         raise ValueError(f"ffn={cfg.ffn!r} has no HF equivalent here (SwiGLU, or Gemma's GeGLU)")
     if cfg.qk_norm:
@@ -228,7 +340,7 @@ def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype, extra: dict | Non
     out = {k: v for k, v in (extra or {}).items() if k in PASSTHROUGH_FIELDS}
     out.update({
         "architectures": [FAMILIES[kind]], "model_type": kind,
-        "hidden_act": "gelu_pytorch_tanh" if kind == "gemma" else "silu",
+        "hidden_act": "gelu_pytorch_tanh" if kind in _GEMMA else "silu",
         "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.kv_heads, "num_hidden_layers": cfg.num_layers, "head_dim": cfg.d_head,
         "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.context_length, "rms_norm_eps": cfg.norm_eps,
@@ -238,6 +350,20 @@ def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype, extra: dict | Non
     })
     if kind in _QWEN:
         out["use_sliding_window"] = False
+    if kind == "phi3":
+        out.update({"sliding_window": cfg.sliding_window, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+                    "partial_rotary_factor": cfg.partial_rotary or 1.0, "original_max_position_embeddings":
+                    cfg.context_length})
+    if kind in ("gemma2", "gemma3_text"):
+        scalar = cfg.query_scale ** -2 if cfg.query_scale else cfg.d_head
+        out.update({"hidden_activation": "gelu_pytorch_tanh", "sliding_window": cfg.sliding_window,
+                    "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-6 * scalar else scalar,
+                    "layer_types": ["sliding_attention" if cfg.layer_window(i) else "full_attention"
+                                    for i in range(cfg.num_layers)],
+                    "final_logit_softcapping": cfg.final_softcap,
+                    "attn_logit_softcapping": cfg.attn_softcap})
+        if kind == "gemma3_text":
+            out["rope_local_base_freq"] = cfg.local_rope_theta or cfg.rope_theta
     if kind == "qwen2_moe":
         out["qkv_bias"] = cfg.qkv_bias
     if kind == "mixtral":
@@ -262,6 +388,13 @@ def half_to_interleaved(d_head: int) -> torch.Tensor:
     """Row order that turns one head's half-split RoPE rows into interleaved pairs: ``[0, d/2, 1, d/2+1, ...]``."""
     half = torch.arange(d_head // 2)
     return torch.stack((half, half + d_head // 2), dim=-1).reshape(-1)
+
+
+def rope_row_order(cfg: ModelConfig) -> torch.Tensor:
+    """One head's row order from HF's half-split RoPE to interleaved pairs: the first ``rotary_dim`` rows paired up
+    (all of them without a partial rotary dim), the rest in place."""
+    rotary = cfg.rotary_dim
+    return torch.cat((half_to_interleaved(rotary), torch.arange(rotary, cfg.d_head)))
 
 
 def _permute_heads(weight: torch.Tensor, n_heads: int, order: torch.Tensor) -> torch.Tensor:
@@ -301,6 +434,10 @@ def _layer_keys(cfg: ModelConfig, i: int) -> dict[str, str]:
     """Ours -> HF names inside layer ``i`` besides an MoE layer's router and experts: attention (+ Qwen2's q/k/v
     biases, Qwen3's q/k norms), the norms, a dense FFN or Qwen2-MoE's shared expert and its gate."""
     keys = {k: v for k, v in LAYER_KEYS.items() if not (cfg.is_moe_layer(i) and k.startswith("ffn."))}
+    if cfg.post_norms:
+        keys.update(SANDWICH_KEYS)
+    if cfg.norm_position == "output":
+        keys.update(OUTPUT_NORM_KEYS)
     if cfg.qkv_bias:
         keys.update({f"attn.{p}_proj.bias": f"self_attn.{p}_proj.bias" for p in ("q", "k", "v")})
     if cfg.qk_norm:
@@ -321,14 +458,16 @@ def _rope_rows(ours: str, tensor: torch.Tensor, cfg: ModelConfig, order: torch.T
     if ".attn.k_proj." in ours:
         return _permute_heads(tensor, cfg.kv_heads, order)
     if ours.endswith(("attn.q_norm.weight", "attn.k_norm.weight")):
-        return tensor[order]
+        # a per-head norm's weight [d_head], or a whole projection's [heads * d_head] (OLMo 2): each head's rows
+        return tensor.reshape(-1, len(order))[:, order].reshape(tensor.shape)
     return tensor
 
 
 def state_from_hf(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """HF tensors -> this library's ``state_dict`` (q/k rows permuted to interleaved RoPE pairs)."""
     hf_state = {k: v for k, v in hf_state.items() if not k.endswith("rotary_emb.inv_freq")}  # old files carry it
-    order = half_to_interleaved(cfg.d_head)
+    order = rope_row_order(cfg)
+    hf_state = _split_fused(hf_state, cfg)
     state, used = {}, set()
     names = dict(TOP_KEYS)
     for i in range(cfg.num_layers):
@@ -379,7 +518,7 @@ def _experts_from_hf(hf_state: dict, layer: str, cfg: ModelConfig, used: set, ou
 
 def state_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """This library's ``state_dict`` -> HF tensors (the inverse of :func:`state_from_hf`; tied heads omitted)."""
-    inverse = torch.argsort(half_to_interleaved(cfg.d_head))
+    inverse = torch.argsort(rope_row_order(cfg))
     out = {}
     for ours, theirs in TOP_KEYS.items():
         if ours == "lm_head.weight" and cfg.tie_embeddings:
@@ -400,7 +539,41 @@ def state_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
         for ours, theirs in _layer_keys(cfg, i).items():
             out[f"model.layers.{i}.{theirs}"] = _rope_rows(f"layers.{i}.{ours}", state[f"layers.{i}.{ours}"], cfg,
                                                            inverse)
+    if hf_model_type(cfg) == "phi3":
+        out = _fuse_projections(out, cfg)
     return {k: v.detach().contiguous() for k, v in out.items()}
+
+
+def _split_fused(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` weights as the separate projections (views, no copies)."""
+    if not any(k.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")) for k in hf_state):
+        return hf_state
+    q_rows, kv_rows = cfg.num_heads * cfg.d_head, cfg.kv_heads * cfg.d_head
+    out = {}
+    for name, tensor in hf_state.items():
+        if name.endswith("self_attn.qkv_proj.weight"):
+            stem = name[: -len("qkv_proj.weight")]
+            if tensor.shape[0] != q_rows + 2 * kv_rows:
+                raise ValueError(f"{name} has {tensor.shape[0]} rows, not q + k + v = {q_rows + 2 * kv_rows}")
+            q, k, v = tensor.split((q_rows, kv_rows, kv_rows))
+            out.update({f"{stem}q_proj.weight": q, f"{stem}k_proj.weight": k, f"{stem}v_proj.weight": v})
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            stem = name[: -len("gate_up_proj.weight")]
+            gate, up = tensor.chunk(2)
+            out.update({f"{stem}gate_proj.weight": gate, f"{stem}up_proj.weight": up})
+        else:
+            out[name] = tensor
+    return out
+
+
+def _fuse_projections(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`_split_fused`: Phi-3 files hold ``qkv_proj`` and ``gate_up_proj``."""
+    out = dict(state)
+    for i in range(cfg.num_layers):
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        out[f"{attn}qkv_proj.weight"] = torch.cat([out.pop(f"{attn}{p}_proj.weight") for p in ("q", "k", "v")])
+        out[f"{mlp}gate_up_proj.weight"] = torch.cat([out.pop(f"{mlp}{p}_proj.weight") for p in ("gate", "up")])
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------

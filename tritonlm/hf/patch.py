@@ -29,7 +29,12 @@ from types import MethodType
 import torch
 import torch.nn.functional as F
 
-MODEL_TYPES = ("llama", "mistral", "mixtral", "gemma", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+MODEL_TYPES = ("llama", "mistral", "mixtral", "gemma", "gemma2", "gemma3_text", "olmo2", "phi3", "qwen2", "qwen3",
+               "qwen2_moe", "qwen3_moe")
+#: RMSNorms that multiply the fp32 x̂ by the weight before casting (Llama's cast x̂ to the input dtype first)
+_FP32_PRODUCT_NORMS = ("Olmo2RMSNorm",)
+#: Gemma's RMSNorms: x̂ · (1 + w) computed in fp32, the offset kernel
+_OFFSET_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
 #: transformers' activation names -> the MoE kernel's
 _MOE_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 ATTENTION_NAME = "tritonlm"
@@ -51,6 +56,11 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return _kernels().rms_norm(hidden_states, self.weight, self.variance_epsilon, cast_xhat=True)
 
 
+def _fp32_product_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """OLMo 2's RMSNorm: ``(w · x̂).to(x.dtype)`` with x̂ in fp32 (no rounding before the weight)."""
+    return _kernels().rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
 def _offset_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     """Gemma's RMSNorm: ``(x̂ · (1 + w)).to(x.dtype)``, everything in fp32 (no rounding before the weight)."""
     return _kernels().rms_norm(hidden_states, self.weight, self.eps, weight_offset=1.0)
@@ -59,6 +69,12 @@ def _offset_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     # the projections' outputs feed only the gate: its backward may overwrite them
     return self.down_proj(_kernels().swiglu_gate(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
+
+
+def _fused_gate_up_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """Phi-3's MLP: one ``gate_up_proj`` whose first half of the features is the gate (strided views, no copies)."""
+    gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    return self.down_proj(_kernels().swiglu_gate(gate, up))
 
 
 def _geglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,6 +106,10 @@ def _rope_half_split(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
     """HF's ``apply_rotary_pos_emb(q, k, cos, sin)`` on ``q[b, heads, s, d]``, ``k[b, kv_heads, s, d]`` with
     ``cos, sin[b or 1, s, d]`` (both halves equal, as HF builds them): the per-token tables become a
     ``[b·s, d/2]`` table indexed by each token's row."""
+    rotary = cos.shape[-1]
+    if rotary < q.shape[-1]:  # partial rotary (Phi-3): the first features turn, the rest pass through
+        q_rot, k_rot = _rope_half_split(q[..., :rotary], k[..., :rotary], cos, sin)
+        return torch.cat((q_rot, q[..., rotary:]), dim=-1), torch.cat((k_rot, k[..., rotary:]), dim=-1)
     # HF computes cos/sin once per forward and hands the same tensors to every layer: convert them once too
     cached = getattr(_state, "rope_tables", None)
     if cached is None or cached[0] is not cos or cached[1] is not sin:
@@ -152,8 +172,9 @@ def tritonlm_attention(module, query, key, value, attention_mask, dropout: float
         # a mask the varlen kernel cannot express (a custom 4-D mask, overlays, static-cache slicing): HF's sdpa
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        if softcap:
-            raise NotImplementedError("tritonlm attention: softcap with a mask only sdpa can express")
+        if softcap:  # (sdpa has no softcap: the modeling module's own eager attention, as transformers runs it)
+            return _eager_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window,
+                                    softcap, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [b, s, heads, d] views
@@ -185,6 +206,22 @@ def tritonlm_attention(module, query, key, value, attention_mask, dropout: float
         v.reshape(batch * n_k, -1, d)[k_index], cu_q, cu_k, max_q, max_k, **opts)
     out = q.new_zeros(batch * n_q, heads, d).index_copy(0, q_index, packed)  # padded queries: zeros
     return out.view(batch, n_q, heads, d), None
+
+
+def _eager_attention(module, query, key, value, mask, dropout, scaling, sliding_window, softcap, **kwargs):
+    """The modeling module's ``eager_attention_forward`` (Gemma 2's softcapped attention) with the boolean 4-D mask
+    turned into the additive one eager attention adds to its scores."""
+    import importlib
+
+    eager = getattr(importlib.import_module(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise NotImplementedError(f"tritonlm attention: softcap with a custom mask needs {type(module).__module__}"
+                                  ".eager_attention_forward")
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~mask, torch.finfo(query.dtype).min)
+    return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, sliding_window=sliding_window,
+                 softcap=softcap, **kwargs)
 
 
 def _packing(segments: torch.Tensor, n_q: int):
@@ -306,14 +343,17 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, *args, labels=
     if shift_labels is None:
         # HF's causal-LM loss: position t predicts labels[t + 1]; the last position has no target
         shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    cap = getattr(self.config, "final_logit_softcapping", None)  # (Gemma 2 / 3: through the fused loss too)
     loss = _kernels().linear_cross_entropy(hidden, self.lm_head.weight, shift_labels.to(hidden.device),
-                                           ignore_index=-100, reduction="sum" if num_items else "mean")
+                                           ignore_index=-100, reduction="sum" if num_items else "mean", softcap=cap)
     if num_items:
         loss = loss / num_items
     logits = None
     if not self.training:
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden[:, keep, :])
+        if cap is not None:
+            logits = cap * torch.tanh(logits / cap)
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
     output_class = MoeCausalLMOutputWithPast if moe else CausalLMOutputWithPast
@@ -401,7 +441,7 @@ def apply_kernels(model, rms_norm: bool = True, rope: bool = True, swiglu: bool 
     model_type = getattr(config, "model_type", None)
     if model_type not in MODEL_TYPES:
         raise ValueError(f"apply_kernels supports {', '.join(MODEL_TYPES)} models, got model_type={model_type!r}")
-    act = getattr(config, "hidden_act", "silu")
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
     if swiglu and act not in ("silu", "swish", "gelu_pytorch_tanh"):
         raise ValueError(f"swiglu=True needs hidden_act 'silu' (SwiGLU) or 'gelu_pytorch_tanh' (GeGLU), got {act!r}")
     mlp_forward = _geglu_mlp_forward if act == "gelu_pytorch_tanh" else _mlp_forward
@@ -411,12 +451,16 @@ def apply_kernels(model, rms_norm: bool = True, rope: bool = True, swiglu: bool 
     plan, rotary = [], {}
     for module in model.modules():
         name = type(module).__name__
-        if rms_norm and name.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+        if rms_norm and name in _FP32_PRODUCT_NORMS:
+            plan.append((module, _fp32_product_rms_norm_forward, "rms_norm"))
+        elif rms_norm and name.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
             plan.append((module, _rms_norm_forward, "rms_norm"))
-        elif rms_norm and model_type == "gemma" and name == "GemmaRMSNorm":
+        elif rms_norm and name in _OFFSET_NORMS:
             plan.append((module, _offset_rms_norm_forward, "rms_norm"))
         elif swiglu and name.endswith("MLP") and all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj")):
             plan.append((module, mlp_forward, "swiglu"))
+        elif swiglu and name == "Phi3MLP" and act in ("silu", "swish"):
+            plan.append((module, _fused_gate_up_mlp_forward, "swiglu"))
         elif moe and name.endswith("Experts") and hasattr(module, "down_proj"):
             if not _stacked_experts(module):
                 raise NotImplementedError(f"moe=True: {name} does not hold its experts stacked (gate_up_proj [E, 2I, "
@@ -425,7 +469,7 @@ def apply_kernels(model, rms_norm: bool = True, rope: bool = True, swiglu: bool 
                 raise ValueError(f"moe=True: hidden_act {module.config.hidden_act!r} is not one of "
                                  f"{sorted(_MOE_ACTIVATIONS)}")
             plan.append((module, _experts_forward, "moe"))
-        elif rope and name.endswith("Attention") and hasattr(module, "q_proj"):
+        elif rope and name.endswith("Attention") and (hasattr(module, "q_proj") or hasattr(module, "qkv_proj")):
             modeling_name, modeling = _rotary_module(module)
             rotary[modeling_name] = modeling
             plan.append((module, _attention_forward, "rope"))
