@@ -202,7 +202,7 @@ def loss_rows(device, smoke=False, time_left=lambda: 1e9):
 def attention_variant_rows(device, copy_bw, smoke=False, time_left=lambda: 1e9):
     """GQA vs MHA (same query heads) vs SDPA, packed documents vs the padded batch, and one-query decoding
     against long caches (split-KV) with the bandwidth of reading the cache once."""
-    from tritonlm.kernels import FlashAttention, flash_attn_varlen_func
+    from tritonlm.kernels import FlashAttention, flash_attention, flash_attn_varlen_func
 
     dtype = torch.float32 if smoke else torch.bfloat16
     d, seq, (h_q, h_kv) = (16, 64, (4, 2)) if smoke else (128, 4096, (32, 8))
@@ -244,6 +244,14 @@ def attention_variant_rows(device, copy_bw, smoke=False, time_left=lambda: 1e9):
         out.backward(torch.ones_like(out))
     timed("varlen", "tritonlm-varlen", varlen)
     timed("varlen", "tritonlm-padded", padded_step)
+    # ---- Gemma 2's attention logit softcap (tanh of every score, 1 - tanh² in the backward) vs none, fwd + bwd
+    for impl, cap in (("tritonlm-no-softcap", 0.0), ("tritonlm-softcap", 50.0)):
+        q, k, v = (torch.randn(2, h_q, seq, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+
+        def capped(q=q, k=k, v=v, cap=cap):
+            out = flash_attention(q, k, v, True, softcap=cap)
+            out.backward(torch.ones_like(out))
+        timed("softcap", impl, capped)
     # ---- decoding: one query, long caches
     for batch, cache in ([(1, 2100)] if smoke else [(1, 8192), (8, 8192), (1, 32768), (4, 32768)]):
         if time_left() < 30:

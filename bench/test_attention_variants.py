@@ -6,6 +6,7 @@ Each group is one comparison in one process, forward + backward (decoding: forwa
 - packed documents: ``flash_attn_varlen_func`` vs the padded batch of the same documents through the same
   kernel, vs SDPA with an explicit block-diagonal mask, and flex-attention's document mask when importable.
   Target: varlen no slower than padded.
+- softcap: Gemma 2's attention logit softcap (50) vs none, forward + backward. Target: <= 1.15x the time.
 - decoding: one query against an 8K / 32K KV cache (batch 1 / 4 / 8) through the split-KV path vs SDPA;
   ``extra_info`` carries the bandwidth of reading the cache once. Target: >= 70% of the copy bandwidth.
 """
@@ -14,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as TF
 
-from tritonlm.kernels import FlashAttention, flash_attn_varlen_func
+from tritonlm.kernels import FlashAttention, flash_attention, flash_attn_varlen_func
 
 from benchutil import DEVICE, MACHINE, ON_GPU, run
 
@@ -101,6 +102,15 @@ def test_packed_documents_fwd_bwd(benchmark, impl):
     useful = sum(n * (n + 1) // 2 for n in lengths)  # causal pairs inside documents: the work that matters
     benchmark.extra_info.update({"device": MACHINE.get()["device"], "tokens": total,
                                  "useful TFLOP/s": round(3.5 * 4 * h * useful * D / mean / 1e12, 3)})
+
+
+@pytest.mark.parametrize("softcap", [0.0, 50.0], ids=["no-softcap", "softcap-50"])
+def test_softcap_fwd_bwd(benchmark, softcap):
+    h = HEADS[0]
+    q, k, v = (torch.randn(2, h, SEQ, D, device=DEVICE, dtype=DTYPE, requires_grad=True) for _ in range(3))
+    mean = run(benchmark, _fwd_bwd(lambda q, k, v: flash_attention(q, k, v, True, softcap=softcap), (q, k, v)))
+    flops = 3.5 * 4 * 2 * h * SEQ * SEQ * D / 2
+    benchmark.extra_info.update({"device": MACHINE.get()["device"], "TFLOP/s": round(flops / mean / 1e12, 3)})
 
 
 @pytest.mark.parametrize("impl", ["tritonlm-split-kv", "sdpa"])

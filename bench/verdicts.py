@@ -61,6 +61,9 @@ def verdicts(report) -> list[dict]:
     if "tritonlm-varlen" in variants and "tritonlm-padded" in variants:
         s = variants["tritonlm-padded"]["ms"] / variants["tritonlm-varlen"]["ms"]
         add("varlen no slower than the padded batch", s >= 1.0, f"{s:.2f}x padded")
+    if "tritonlm-softcap" in variants and "tritonlm-no-softcap" in variants:
+        t = variants["tritonlm-softcap"]["ms"] / variants["tritonlm-no-softcap"]["ms"]
+        add("attention with a logit softcap (Gemma 2) <= 1.15x the time without", t <= 1.15, f"{t:.2f}x")
     decode = [r for c, r in variants.items() if c.startswith("tritonlm-split-kv")]
     if decode:
         worst = min(decode, key=lambda r: r["pct_copy_bw"])
