@@ -231,3 +231,64 @@ def test_phi3_options_without_an_equivalent_are_refused():
         hf.model_config_from_hf({**base, "resid_pdrop": 0.1})
     with pytest.raises(ValueError, match="model_type 'phimoe' is not supported"):
         hf.model_config_from_hf({**base, "model_type": "phimoe"})
+
+
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_apply_kernels_dispatches_every_patched_op(kind, monkeypatch):
+    """One training forward of a patched model launches each kernel once per patched module: every RMSNorm (q/k
+    norms included), RoPE and attention once per layer, the gate once per dense MLP (and shared expert), the
+    grouped experts once per MoE layer, and the loss kernel."""
+    from collections import Counter
+
+    from tritonlm import hf
+    from tritonlm.kernels import cross_entropy_loss, rmsnorm, rope, swiglu
+    from tritonlm.kernels.attention import forward as attention_forward
+    from tritonlm.kernels.moe import kernels as moe_kernels
+
+    from helpers import record_launches
+
+    model = hf.apply_kernels(_model(kind, seed=3))
+    launched = record_launches(monkeypatch, rmsnorm._rms_norm_fwd_kernel, rope._rope_kernel, swiglu._swiglu_fwd_kernel,
+                               attention_forward._fwd_kernel, cross_entropy_loss._cross_entropy_kernel,
+                               moe_kernels._up_kernel)
+    tags = Counter(getattr(m, "_tritonlm_patch", None) for m in model.modules())
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(0, 120, (2, 11), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    model.train()
+    model(ids, labels=ids, use_cache=False)  # (forward only: RoPE's backward reuses its forward kernel)
+    counts = Counter(launched)
+    assert counts["_rms_norm_fwd_kernel"] == tags["rms_norm"] > layers
+    assert counts["_rope_kernel"] == counts["_fwd_kernel"] == tags["rope"] == layers
+    assert counts["_swiglu_fwd_kernel"] == tags["swiglu"]
+    assert counts["_up_kernel"] == tags["moe"] == (2 if kind.endswith("moe") else 0)
+    assert counts["_cross_entropy_kernel"] >= 1 and tags["loss"] == 1
+
+
+@pytest.mark.parametrize("kind", [k for k in FAMILIES if not k.endswith("moe")])
+def test_apply_kernels_bf16_no_further_from_fp32_than_unpatched(kind):
+    """bf16: the patched model's logits, loss and gradients against the fp32 model are no further off than the
+    unpatched bf16 model's (each side against its fp32 twin)."""
+    import copy
+
+    from tritonlm import hf
+
+    exact = _model(kind, seed=4).train()
+    base = copy.deepcopy(exact).to(torch.bfloat16)
+    patched = hf.apply_kernels(copy.deepcopy(base))
+    ids = torch.randint(0, 120, (2, 13), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    results = []
+    for model in (exact, base, patched):
+        model.zero_grad(set_to_none=True)
+        out = model(ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        with torch.no_grad():
+            logits = model.eval()(ids).logits.float()
+        model.train()
+        results.append((out.loss.detach().float(), logits,
+                        {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}))
+    (loss32, logits32, grads32), (loss_ref, logits_ref, grads_ref), (loss, logits, grads) = results
+    assert abs(loss - loss32) <= 2 * abs(loss_ref - loss32) + 1e-2
+    assert (logits - logits32).norm() <= 2 * (logits_ref - logits32).norm() + 1e-2 * logits32.norm()
+    for name, g32 in grads32.items():
+        err, err_ref = ((g[name] - g32).norm() / g32.norm() for g in (grads, grads_ref))
+        assert err <= 2 * err_ref + 0.02, (name, err, err_ref)
