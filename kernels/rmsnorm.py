@@ -142,6 +142,21 @@ def _load_bwd_chunk(X, DY, W, rows64, row_mask, start, cols, n_cols, stride_x_ro
 
 
 @triton.jit
+def _row_block_bwd(X, DY, RSTD, w, rows, rows64, row_mask, mask, cols, stride_x_row, stride_dy_row, n_cols):
+    """Load one block of whole rows (x, dy fp32; their rstd) and return them with ``dx = rstd (g - x̂ mean(g x̂))``,
+    ``g = dy w`` (``w`` broadcastable to the block). Shared with :mod:`.qk_norm`."""
+    # ---- load
+    x = tl.load(X + rows64 * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + rows64 * stride_dy_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    # ---- compute
+    xhat = x * rstd[:, None]
+    g = dy * w
+    mean_gx = tl.sum(g * xhat, axis=1) / n_cols
+    return x, dy, rstd, (g - xhat * mean_gx[:, None]) * rstd[:, None]
+
+
+@triton.jit
 def _rms_norm_bwd_kernel(
     DY, X, W, RSTD, DX, DW_PARTIAL, DH,
     stride_dy_row, stride_x_row, stride_dx_row, stride_dh_row, n_rows, n_cols, blocks_per_program,
@@ -164,15 +179,8 @@ def _rms_norm_bwd_kernel(
             row_mask = rows < n_rows
             mask = row_mask[:, None] & col_mask[None, :]
             rows64 = rows[:, None].to(tl.int64)
-            # ---- load
-            x = tl.load(X + rows64 * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + rows64 * stride_dy_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-            # ---- compute
-            xhat = x * rstd[:, None]
-            g = dy * w[None, :]
-            mean_gx = tl.sum(g * xhat, axis=1) / n_cols
-            dx = (g - xhat * mean_gx[:, None]) * rstd[:, None]
+            x, dy, rstd, dx = _row_block_bwd(X, DY, RSTD, w[None, :], rows, rows64, row_mask, mask, cols,
+                                             stride_x_row, stride_dy_row, n_cols)
             if HAS_DH:
                 dx += tl.load(DH + rows64 * stride_dh_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             dw_acc += tl.sum(dy * _normalised(x, rstd, DX, CAST_XHAT), axis=0)

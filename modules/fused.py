@@ -102,6 +102,17 @@ class MultiHeadSelfAttention(_ref.MultiHeadSelfAttention):
             if norm is not None:
                 norm.__class__ = RMSNorm
 
+    def norm_qk(self, q, k):
+        """Both norms in one launch (``kernels.qk_rms_norm``): per head on ``[..., heads, d_k]`` views of the
+        projections (no copies), or over the whole projections."""
+        norm = self.q_norm
+        if self.qk_norm == "head":
+            q_heads, k_heads = q.unflatten(-1, (-1, self.d_k)), k.unflatten(-1, (-1, self.d_k))
+            q, k = _kernels().qk_rms_norm(q_heads, k_heads, self.q_norm.weight, self.k_norm.weight, norm.eps,
+                                          weight_offset=norm.offset)
+            return q.flatten(-2), k.flatten(-2)
+        return _kernels().qk_rms_norm(q, k, self.q_norm.weight, self.k_norm.weight, norm.eps, weight_offset=norm.offset)
+
     def rotate_features(self, q, k, positions, trusted: bool = False):
         return self.rope.rotate_pair(q, k, positions, check_positions=not trusted)
 

@@ -467,13 +467,11 @@ class MultiHeadSelfAttention(nn.Module):
         if self.max_seq_len is not None and past + seq > self.max_seq_len:
             raise ValueError(f"sequence length {past + seq} exceeds max_seq_len {self.max_seq_len}")
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.qk_norm == "projection":  # q and k normalised over the whole projection, before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.qk_norm is not None:  # before RoPE
+            q, k = self.norm_qk(q, k)
         q = rearrange(q, "... seq (heads d_k) -> ... heads seq d_k", heads=self.num_heads)
         k, v = (rearrange(t, "... seq (kv_heads d_k) -> ... kv_heads seq d_k", kv_heads=self.num_kv_heads)
                 for t in (k, v))
-        if self.qk_norm == "head":  # each head's q and k normalised over d_k, before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
         paged = isinstance(kv_cache, PagedLayerCache)
         if self.rope is not None:
             generated = token_positions is None
@@ -491,6 +489,17 @@ class MultiHeadSelfAttention(nn.Module):
                 k, v = kv_cache.update(k, v)
             out = self.attend(q, k, v) if documents is None else self.attend_documents(q, k, v, documents)
         return self.output_proj(rearrange(out, "... heads seq d_k -> ... seq (heads d_k)"))
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The q/k norms on the projections ``q[..., seq, heads·d_k]``, ``k[..., seq, kv_heads·d_k]``: over each head's
+        ``d_k`` (``qk_norm="head"``) or over the whole projection (``"projection"``)."""
+        if self.qk_norm == "projection":
+            return self.q_norm(q), self.k_norm(k)
+        q = rearrange(self.q_norm(rearrange(q, "... (heads d_k) -> ... heads d_k", d_k=self.d_k)),
+                      "... heads d_k -> ... (heads d_k)")
+        k = rearrange(self.k_norm(rearrange(k, "... (kv_heads d_k) -> ... kv_heads d_k", d_k=self.d_k)),
+                      "... kv_heads d_k -> ... (kv_heads d_k)")
+        return q, k
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, trusted: bool = False):
         """RoPE on ``q`` and ``k`` (``[..., heads, seq, d_k]``) at ``positions[..., 1, seq]``; ``trusted``

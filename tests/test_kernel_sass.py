@@ -34,6 +34,7 @@ def _by(rows, arch, prefix=""):
 def test_every_kernel_is_covered(rows):
     kernels = {r["kernel"] for r in rows}
     assert kernels == {"rmsnorm.fwd", "rmsnorm.bwd", "rmsnorm.dw_reduce", "add_rmsnorm.fwd", "add_rmsnorm.bwd",
+                       "qk_norm.fwd", "qk_norm.bwd",
                        "swiglu.fwd", "swiglu.bwd", "geglu.fwd", "geglu.bwd", "rope.fwd", "cross_entropy.fwd+grad",
                        "attention.fwd", "attention.bwd_preprocess", "attention.bwd_dkdv", "attention.bwd_dq",
                        "attention.bwd_dkdv_atomic_dq", "attention.tma_fwd", "attention.tma_bwd_dkdv",

@@ -74,7 +74,7 @@ def test_the_tools_read_the_registry_not_the_kernel_files():
                 raise AssertionError(f"{path}: importlib.import_module around a kernel file")
 
 
-@pytest.mark.parametrize("name", ["rmsnorm", "add_rmsnorm", "swiglu", "geglu", "rope"])
+@pytest.mark.parametrize("name", ["rmsnorm", "add_rmsnorm", "qk_norm", "swiglu", "geglu", "rope"])
 def test_bench_cases_time_implementations_that_agree(name):
     """What the op suite times side by side computes the same thing: each bench case's reference and ours, forward
     and the input gradients, on a small fp32 shape."""
