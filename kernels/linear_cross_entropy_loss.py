@@ -17,6 +17,15 @@ matmuls per chunk in all, as eager's forward + backward) and the backward only s
 ``grad_output``; for ``"none"`` the per-token gradient scales are only known in backward, which then
 recomputes each chunk's logits (one extra matmul). Without gradients the forward does one matmul per chunk.
 
+Traffic per chunk of ``c`` tokens (vocab ``V``, width ``d``, element size ``e``): W is read twice (the logits and
+dhidden matmuls, ``2·V·d·e``), the chunk's logits are written once, read and overwritten by the loss kernel and
+read by both gradient matmuls (about ``4·c·V·e``), and the fp32 weight gradient is read and written once
+(``8·V·d``) -- accumulated in place: ``addmm`` into the one fp32 buffer with ``beta = 1`` (on CUDA a bf16 / fp16
+product goes straight into it through ``out_dtype``), so no ``[V, d]`` temporary is ever made, whatever the number
+of chunks. ``tests/test_loss.py`` checks this on meta tensors by recording the aten ops of a forward + backward.
+Chunk rows are the memory / W-traffic trade-off: ``CHUNK_ELEMENTS`` keeps the peak at a tenth of eager's at GPT-2's
+shape; larger chunks read W fewer times (a GPU measurement to make).
+
 Mixed dtypes: the matmuls run in the autocast dtype when autocast is on, else in ``hidden``'s dtype (a
 weight of another dtype is cast once per call); the loss, logsumexp and weight gradient accumulate in fp32
 and the gradients come back in each input's own dtype.
@@ -47,13 +56,22 @@ def chunk_rows(n_rows: int, n_vocab: int) -> int:
 
 
 _MM_OUT_DTYPE = [True]  # whether torch.mm takes out_dtype on CUDA (torch >= 2.8); found out on first use
+_ADDMM_OUT_DTYPE = [True]  # whether torch.addmm takes out_dtype (accumulating into an fp32 out) here
 
 
 def _accumulate_weight_grad(dweight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
-    """``dweight (fp32) += grad_logitsᵀ @ hidden``; on CUDA a low-precision product goes straight to fp32."""
+    """``dweight (fp32) += grad_logitsᵀ @ hidden`` in place (no ``[vocab, d]`` temporary); on CUDA a low-precision
+    product accumulates straight into the fp32 buffer."""
     if grad_logits.dtype == torch.float32:
         dweight.addmm_(grad_logits.t(), hidden)
         return
+    if grad_logits.device.type in ("cuda", "meta") and _ADDMM_OUT_DTYPE[0]:
+        try:  # beta = 1: cuBLAS adds the product into the buffer it reads
+            torch.addmm(dweight, grad_logits.t(), hidden, out_dtype=torch.float32, out=dweight)
+            return
+        except (TypeError, RuntimeError):
+            _ADDMM_OUT_DTYPE[0] = False
+    # (older torch: the product as an fp32 temporary, then added)
     if grad_logits.is_cuda and _MM_OUT_DTYPE[0]:
         try:
             dweight += torch.mm(grad_logits.t(), hidden, out_dtype=torch.float32)

@@ -6,8 +6,11 @@ Pair ``i`` of a head vector, ``(x[2i], x[2i+1])``, at position ``m`` is rotated 
     out[2i+1] = x[2i] sin + x[2i+1] cos
 
 The angles' cos/sin come from fp64-computed tables stored as fp32 ``[max_seq_len, d/2]`` (the module's
-non-persistent buffers, or :func:`rope_tables`), so the kernel matches the reference bit for bit in
-fp32 at any position; the tables are shared by every head and stay in L2. Backward is the inverse
+non-persistent buffers, or :func:`rope_tables`), and the kernel is compiled without floating-point contraction
+(``enable_fp_fusion=False``): each product is rounded before the add, as the reference's separate eager multiply
+and subtract round it, where Triton would otherwise fuse ``x·cos - y·sin`` into one FMA (one rounding fewer, a
+different last bit). So it matches the reference bit for bit in fp32 at any position, on a GPU too (the SASS
+report's rope rows hold no FFMA); the tables are shared by every head and stay in L2. Backward is the inverse
 rotation (``sin -> -sin``), the same kernel with ``INVERSE``.
 
 Inputs are ``[..., seq, d]`` with any leading dims, viewed as ``[batch, heads, seq, d]`` with separate
@@ -214,7 +217,8 @@ def rope_forward(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin
                 qv.stride(0), qv.stride(1), qv.stride(2), kv.stride(0), kv.stride(1), kv.stride(2),
                 qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
                 pos.stride(0), pos.stride(1), pos.stride(2),
-                h, h_k, heads, bh_start, s, d, HAS_K=k is not None, INVERSE=inverse, HALF_SPLIT=half_split, **cfg)
+                h, h_k, heads, bh_start, s, d, HAS_K=k is not None, INVERSE=inverse, HALF_SPLIT=half_split,
+                enable_fp_fusion=False, **cfg)
     return outs[0], (outs[1] if k is not None else None)
 
 

@@ -366,3 +366,43 @@ def test_model_loss_checks_targets_unless_the_data_was_validated(monkeypatch):
     assert checks == []  # no range check (its host sync) once the data was validated
     torch.testing.assert_close(unchecked_loss, checked.loss(ids, targets))
     assert checks == ["linear_cross_entropy"]
+
+
+def test_linear_cross_entropy_traffic_recorded_on_meta_tensors():
+    """The aten ops of a bf16 forward + backward (meta tensors: the real chunk loop, Triton launches skipped),
+    recorded by a TorchDispatchMode: every chunk reads W in exactly two matmuls, the weight gradient is accumulated
+    in place (one fp32 [V, d] buffer, plus the final cast to the weight's dtype: no [V, d] result per chunk), and
+    the chunks cover the tokens at the rows ``chunk_rows`` gives."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tritonlm.memory import _skip_triton_launches
+
+    n_tokens, d, vocab = 4096, 200, 50257  # (d matches no chunk's rows: W is told apart by its shape)
+    hidden = torch.randn(n_tokens, d, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    weight = torch.randn(vocab, d, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    targets = torch.randint(0, vocab, (n_tokens,), device="meta")
+    ops = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+            reads_w = any(t.shape in ((vocab, d), (d, vocab)) and t.dtype == torch.bfloat16 for t in tensors)
+            ops.append((str(func.overloadpacket), reads_w, out))
+            return out
+
+    with _skip_triton_launches(), Record():
+        linear_cross_entropy(hidden, weight, targets).backward()
+    rows = lce_module.chunk_rows(n_tokens, vocab)
+    chunks = -(-n_tokens // rows)
+    matmuls = [(name, reads_w, out) for name, reads_w, out in ops if name in ("aten.mm", "aten.addmm")]
+    w_reads = [out for name, reads_w, out in matmuls if reads_w]
+    assert chunks > 1 and len(w_reads) == 2 * chunks
+    assert sorted({o.shape[0] for o in w_reads if o.shape[1] == vocab}) == sorted({rows, n_tokens - (chunks - 1) * rows})
+    # tensors of W's size the loop allocates (in-place ops and views excluded): the zeroed fp32 accumulator, its
+    # final cast to bf16, and autograd's .grad -- never one per chunk
+    new_vd = [name for name, _, out in ops if isinstance(out, torch.Tensor) and out.shape == (vocab, d)
+              and not name.endswith("_") and name not in ("aten.addmm", "aten.t", "aten.detach", "aten.view")]
+    assert sorted(new_vd) == ["aten._to_copy", "aten.new_empty_strided", "aten.zeros"], new_vd
+    assert sum(1 for name, _, out in matmuls if name == "aten.addmm" and out.shape == (vocab, d)) == chunks
+    assert weight.grad.shape == (vocab, d) and weight.grad.dtype == torch.bfloat16

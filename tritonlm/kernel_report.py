@@ -41,6 +41,7 @@ class Launch:
     bytes_moved: int = 0
     flops: int = 0
     dot_precision: str | None = None  # fp32 attention: the DOT_PRECISION ("ieee" / "tf32") its tl.dots take
+    fp_fusion: bool | None = None  # the launch's enable_fp_fusion (None: Triton's default)
 
 
 @dataclass
@@ -89,12 +90,13 @@ def _to_launch(kernel_label: str, case: str, call, flops: int = 0) -> Launch:
     kwargs = dict(kwargs)
     warps = kwargs.pop("num_warps", 4)
     stages = kwargs.pop("num_stages", 3)
+    fp_fusion = kwargs.pop("enable_fp_fusion", None)
     # (16-bit dots ignore the precision: shown for fp32 launches only)
     fp32 = bool(args) and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float32
     precision = kwargs.get("DOT_PRECISION") if fp32 else None
     # each tensor once: a launcher may pass one tensor for two pointers (an unused optional input)
     moved = sum(_nbytes(a) for a in {id(a): a for a in args if isinstance(a, torch.Tensor)}.values())
-    return Launch(kernel_label, case, fn, tuple(args), kwargs, warps, stages, moved, flops, precision)
+    return Launch(kernel_label, case, fn, tuple(args), kwargs, warps, stages, moved, flops, precision, fp_fusion)
 
 
 def representative_launches(quick: bool = False, arch: str = "sm_90") -> list[Launch]:
@@ -166,7 +168,8 @@ def _sass_counts(sass: str) -> dict:
     counts: Counter = Counter()
     for op in ops:
         base = op.split(".")[0]
-        if base in ("HGMMA", "HMMA", "LDGSTS", "UTMALDG", "UBLKCP", "LDL", "STL", "LDS", "STS"):
+        if base in ("HGMMA", "HMMA", "LDGSTS", "UTMALDG", "UBLKCP", "LDL", "STL", "LDS", "STS", "FFMA", "REDG",
+                    "ATOMG", "RED", "ATOM", "MEMBAR"):
             counts[base] += 1
             if base in ("HGMMA", "HMMA") and "TF32" in op.split("."):
                 counts["TF32"] += 1  # tensor-core MMAs on TF32 operands (10-bit mantissas): never on IEEE rows
@@ -185,15 +188,18 @@ def _sass_counts(sass: str) -> dict:
 
 
 @functools.cache
-def _compile_cached(fn, sig_items, const_items, attr_items, arch: int, num_warps: int, num_stages: int):
+def _compile_cached(fn, sig_items, const_items, attr_items, arch: int, num_warps: int, num_stages: int,
+                    fp_fusion: bool | None = None):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     src = ASTSource(fn=fn, signature=dict(sig_items), constexprs=dict(const_items),
                     attrs={k: [list(x) for x in v] for k, v in attr_items})
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if fp_fusion is not None:
+        options["enable_fp_fusion"] = fp_fusion
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     cubin = compiled.asm["cubin"]
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
@@ -236,7 +242,7 @@ def analyze(launch: Launch, arch: str) -> Row:
     try:
         usage, sass, dynamic_smem = _compile_cached(fn, tuple(sig.items()), tuple(const.items()),
                                       tuple((k, tuple(tuple(x) for x in v)) for k, v in attrs.items()),
-                                      ARCHS[arch], launch.num_warps, launch.num_stages)
+                                      ARCHS[arch], launch.num_warps, launch.num_stages, launch.fp_fusion)
     except Exception as e:  # a kernel that does not compile is a row with its error, and a failed test
         row.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
         return row
