@@ -91,6 +91,7 @@ def test_double_backward_is_a_clear_error_for_every_kernel_function():
         apply_rope,
         cross_entropy,
         linear_cross_entropy,
+        qk_rms_norm,
         rms_norm,
         swiglu_gate,
     )
@@ -104,6 +105,7 @@ def test_double_backward_is_a_clear_error_for_every_kernel_function():
         "apply_rope": apply_rope(q), "FlashAttention": FlashAttention.apply(q, q, q, True),
         "FlashAttentionTorch": FlashAttentionTorch.apply(q, q, q, True), "cross_entropy": cross_entropy(x, t),
         "linear_cross_entropy": linear_cross_entropy(x, w[None].expand(3, 8).contiguous(), t % 3),
+        "qk_rms_norm": qk_rms_norm(x, x * 1.0, w, w)[0],
     }
     for name, out in outputs.items():
         inputs = [x] if not name.startswith(("Flash", "apply")) else [q]
@@ -158,6 +160,9 @@ def _opcheck_cases():
     window = (True, 0.25, -1, -1, None, None, 0, 0)
     return {
         "rms_norm_fwd": [(x, w, 1e-5)], "rms_norm_bwd": [(x, x, w, rstd)],
+        # q/k norms of different row counts and widths (the fakes must agree on both outputs and rstd's length)
+        "qk_norm_fwd": [(x, q, w, torch.randn(16), 1e-6, 1.0)],
+        "qk_norm_bwd": [(x, q, x, q, w, torch.randn(16), torch.rand(6 + 2 * 3 * 9) + 0.5, 0.0)],
         "add_rms_norm_fwd": [(x, r, w, 1e-5)], "add_rms_norm_bwd": [(x, x, x, w, rstd)],
         "swiglu_fwd": [(x, r)], "swiglu_bwd": [(x, x, r)],
         "rope": [(q, q, cos, cos, pos, False), (strided, None, cos, cos, pos, True)],
