@@ -322,3 +322,30 @@ def test_apply_kernels_packed_documents(kind):
     torch.testing.assert_close(loss, loss_ref, atol=3e-5, rtol=1e-4)
     for name in grads_ref:
         torch.testing.assert_close(grads[name], grads_ref[name], atol=3e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3_text", "olmo2", "phi3"])
+def test_new_families_in_bf16_and_from_the_command_line(kind, tmp_path, capsys):
+    """bf16: our from_pretrained model's loss and gradients against the fp32 checkpoint are no further off than
+    transformers' own bf16 model's; ``tritonlm accounting --hf`` reads the directory."""
+    from tritonlm import hf
+    from tritonlm.cli import main
+
+    theirs32 = _model(kind, seed=9).train()
+    theirs32.save_pretrained(tmp_path / "hf")
+    theirs16 = _model(kind, seed=9).to(torch.bfloat16).train()
+    ours = hf.from_pretrained(tmp_path / "hf", backend="reference", device=DEVICE, dtype=torch.bfloat16).train()
+    ids = torch.randint(0, 120, (2, 13), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    loss32, loss16 = theirs32(ids, labels=ids).loss, theirs16(ids, labels=ids).loss
+    loss = ours.loss(ids, targets)
+    for model_loss in (loss32, loss16, loss):
+        model_loss.backward()
+    assert abs(loss.float() - loss32) <= 2 * abs(loss16.float() - loss32) + 1e-2
+    grads = _hf_grads(ours)
+    for name, p in theirs32.named_parameters():
+        g16 = dict(theirs16.named_parameters())[name].grad.float()
+        err, err_ref = ((g.float() - p.grad).norm() / p.grad.norm() for g in (grads[name], g16))
+        assert err <= 2 * err_ref + 0.02, (name, err, err_ref)
+    assert main(["accounting", "--hf", str(tmp_path / "hf"), "--seq-len", "32"]) == 0
+    assert "parameters" in capsys.readouterr().out.lower()
