@@ -100,7 +100,7 @@ def test_encode_and_decode_exactly_like_tokenizers(layout):
         assert ours.decode(want) == theirs.decode(want, skip_special_tokens=False), text
     # byte fallback is what carries the unseen characters (their <0xNN> ids appear), and decoding restores them
     ids = ours.encode("é😀")
-    assert all(ours.decode([i]).startswith("<0x") or len(ours.decode([i])) <= 2 for i in ids)
+    assert any(ours._piece_of[i].startswith("<0x") for i in ids)
     # a broken byte sequence decodes to one U+FFFD per byte, as tokenizers' ByteFallback decoder does
     broken = ids[1:3] if len(ids) > 3 else ids[:1]
     assert ours.decode(broken) == theirs.decode(broken, skip_special_tokens=False)

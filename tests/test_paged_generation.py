@@ -62,7 +62,7 @@ def test_sequences_stop_independently_on_eos(models):
         cont = free[len(p):].tolist()
         expected = cont[:cont.index(eos) + 1] if eos in cont else cont  # stops right after its own eos
         assert out[len(p):].tolist() == expected
-    assert len(outs[0]) == len(prompts[0]) + 3 or eos in free_run[0][len(prompts[0]):len(prompts[0]) + 2].tolist()
+    assert len(outs[0]) - len(prompts[0]) <= 3  # the first prompt stopped at (or before) its third token
 
 
 def test_sampling_options_apply_to_the_batch(models):
