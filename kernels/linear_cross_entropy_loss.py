@@ -1,7 +1,7 @@
 """Linear layer + cross-entropy without ever holding the ``[tokens, vocab]`` logits.
 
 ``loss = cross_entropy(hidden @ weightᵀ, targets)`` computed chunk by chunk over tokens. Per chunk of
-``chunk_rows`` tokens (at most ``CHUNK_ELEMENTS`` logits)::
+``chunk_rows`` tokens (``CHUNK_BYTES`` = 256 MiB of logits, at least ``CHUNK_MIN_ROWS`` = 1024 tokens)::
 
     logits_c  = hidden_c @ weightᵀ                      cuBLAS, fp32 accumulation, compute dtype out
     loss_c    = cross-entropy kernel on logits_c       Triton (.cross_entropy): lse, loss, and dL/dlogits_c
@@ -17,14 +17,18 @@ matmuls per chunk in all, as eager's forward + backward) and the backward only s
 ``grad_output``; for ``"none"`` the per-token gradient scales are only known in backward, which then
 recomputes each chunk's logits (one extra matmul). Without gradients the forward does one matmul per chunk.
 
-Traffic per chunk of ``c`` tokens (vocab ``V``, width ``d``, element size ``e``): W is read twice (the logits and
-dhidden matmuls, ``2·V·d·e``), the chunk's logits are written once, read and overwritten by the loss kernel and
-read by both gradient matmuls (about ``4·c·V·e``), and the fp32 weight gradient is read and written once
+Traffic model, per chunk of ``c`` tokens (vocab ``V``, width ``d``, compute element size ``e``): W is read twice
+(the logits and dhidden matmuls, ``2·V·d·e``), the chunk's logits are written once, read and overwritten by the loss
+kernel and read by both gradient matmuls (about ``4·c·V·e``), and the fp32 weight gradient is read and written once
 (``8·V·d``) -- accumulated in place: ``addmm`` into the one fp32 buffer with ``beta = 1`` (on CUDA a bf16 / fp16
 product goes straight into it through ``out_dtype``), so no ``[V, d]`` temporary is ever made, whatever the number
-of chunks. ``tests/test_loss.py`` checks this on meta tensors by recording the aten ops of a forward + backward.
-Chunk rows are the memory / W-traffic trade-off: ``CHUNK_ELEMENTS`` keeps the peak at a tenth of eager's at GPT-2's
-shape; larger chunks read W fewer times (a GPU measurement to make).
+of chunks. The three matmuls do ``6·c·V·d`` flops, so a chunk's arithmetic intensity is about
+``6·c·d / ((2·e + 8)·d + 4·c·e)`` flop/byte: in bf16 at d = 4096, 63 at c = 128 (memory-bound: the old 16M-logit
+chunks gave 128 tokens at Llama 3's vocabulary) and 439 at c = 1024, above an H100's ~295 (989 dense bf16 TFLOP/s
+over 3.35 TB/s). Hence chunks sized by bytes with a floor of 1024 tokens: GPT-2's vocabulary gets 1280 tokens in
+fp32 and 2560 in bf16, Llama 3's 1024, and the head + loss peak at 8K x 50257 x 768 fp32 stays under a tenth of
+eager's (``profiles/lm_head_loss_memory.md``). ``tests/test_loss.py`` checks the model on meta tensors by recording
+the aten ops of a forward + backward: chunk rows, W bytes read, and no ``[V, d]`` result per chunk.
 
 Mixed dtypes: the matmuls run in the autocast dtype when autocast is on, else in ``hidden``'s dtype (a
 weight of another dtype is cast once per call); the loss, logsumexp and weight gradient accumulate in fp32
@@ -44,15 +48,22 @@ from ._ranges import kernel_range
 from .cross_entropy_loss import check_loss_options, cross_entropy_rows, mean_scale, reduce_loss
 from .cross_entropy_loss import check_targets as _check_targets
 
-#: logits held at once: 16M (64 MiB in fp32); a chunk has at least CHUNK_MIN_ROWS tokens
-CHUNK_ELEMENTS = 1 << 24
-CHUNK_MIN_ROWS = 16
+#: bytes of logits held at once (one chunk, reused as its own gradient): 256 MiB
+CHUNK_BYTES = 1 << 28
+#: tokens per chunk at least, whatever the vocabulary: W is read twice per chunk, so fewer, larger chunks
+CHUNK_MIN_ROWS = 1024
+#: chunk rows are a multiple of this (cuBLAS / tensor-core tiles) when the budget allows more than the minimum
+CHUNK_ROW_MULTIPLE = 128
 
 
-def chunk_rows(n_rows: int, n_vocab: int) -> int:
-    """Tokens per chunk: as many as fit ``CHUNK_ELEMENTS`` logits, a multiple of 16 (tensor-core tiles)."""
-    rows = max(CHUNK_MIN_ROWS, CHUNK_ELEMENTS // max(1, n_vocab) // 16 * 16)
-    return max(1, min(n_rows, rows))
+def chunk_rows(n_rows: int, n_vocab: int, element_size: int = 4) -> int:
+    """Tokens per chunk: as many as fit ``CHUNK_BYTES`` of logits (rows padded to 16 elements) in the compute dtype
+    of ``element_size`` bytes, rounded down to a multiple of ``CHUNK_ROW_MULTIPLE``, at least ``CHUNK_MIN_ROWS``.
+
+    GPT-2 (vocab 50257): 1280 tokens in fp32, 2560 in bf16; Llama 3 (128256): 1024 in bf16 and fp32."""
+    row_bytes = triton.cdiv(max(1, n_vocab), 16) * 16 * element_size
+    rows = CHUNK_BYTES // row_bytes // CHUNK_ROW_MULTIPLE * CHUNK_ROW_MULTIPLE
+    return max(1, min(n_rows, max(CHUNK_MIN_ROWS, rows)))
 
 
 _MM_OUT_DTYPE = [True]  # whether torch.mm takes out_dtype on CUDA (torch >= 2.8); found out on first use
@@ -88,8 +99,8 @@ def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         out.copy_(a @ b)
 
 
-def _chunks(n_rows: int, n_vocab: int):
-    step = chunk_rows(n_rows, n_vocab)
+def _chunks(n_rows: int, n_vocab: int, element_size: int):
+    step = chunk_rows(n_rows, n_vocab, element_size)
     return [(start, min(n_rows, start + step)) for start in range(0, n_rows, step)]
 
 
@@ -115,9 +126,11 @@ def linear_cross_entropy_forward(hidden: torch.Tensor, weight: torch.Tensor, tar
     # one chunk buffer, rows padded to a multiple of 16 elements so that every row starts 16-byte aligned
     # and the loss kernel's loads vectorise (GPT-2's 50257 columns would not)
     padded = triton.cdiv(n_vocab, 16) * 16
-    buffer = torch.empty(chunk_rows(n_rows, n_vocab), padded, dtype=compute_dtype, device=hidden.device)
+    element_size = torch.empty((), dtype=compute_dtype).element_size()
+    buffer = torch.empty(chunk_rows(n_rows, n_vocab, element_size), padded, dtype=compute_dtype,
+                         device=hidden.device)
     with autocast_off:
-        for lo, hi in _chunks(n_rows, n_vocab):
+        for lo, hi in _chunks(n_rows, n_vocab, element_size):
             # ---- this chunk's logits; the kernel overwrites them with their gradient when one is wanted
             logits = torch.mm(h[lo:hi], w.t(), out=buffer[:hi - lo, :n_vocab])
             grad = logits if (need_dh or need_dw) else None

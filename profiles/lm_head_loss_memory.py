@@ -78,7 +78,8 @@ def main() -> int:
         f"max |dweight diff| {agree['dweight']:.2e}. Wall time on this CPU (not a speed figure: the fused loss "
         f"kernel runs in Triton's interpreter): eager {te:.1f} s, fused {tf:.1f} s.", "",
         "Where the fused peak goes: the fp32 weight-gradient accumulator `[vocab, d]`, dhidden `[tokens, d]`, and "
-        "one chunk of logits (`CHUNK_ELEMENTS` = 16M, reused as its own gradient), independent of the token count.",
+        "one chunk of logits (`CHUNK_BYTES` = 256 MiB: 1280 fp32 tokens at this vocabulary, reused as its own "
+        "gradient), independent of the token count.",
     ]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -45,8 +45,9 @@ def _targets(shape, vocab, ignore_every=5):
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """A few hundred logits per chunk, so a test shape runs through several chunks."""
-    monkeypatch.setattr(lce_module, "CHUNK_ELEMENTS", 600)
+    """A few rows per chunk (a byte budget far below one row-multiple: the floor decides), so a test shape runs
+    through several chunks."""
+    monkeypatch.setattr(lce_module, "CHUNK_BYTES", 2400)
     monkeypatch.setattr(lce_module, "CHUNK_MIN_ROWS", 4)
 
 
@@ -297,7 +298,8 @@ def test_linear_cross_entropy_bad_inputs():
 def test_linear_cross_entropy_peak_memory_below_an_eighth_of_eager(monkeypatch):
     """Peak live tensor bytes of forward + backward of head + loss: fused < 1/8 of eager linear + F.cross_entropy.
     The chunk budget is scaled down with the shape (2048 tokens x vocab 3000 here, 8K x 50257 in profiles/)."""
-    monkeypatch.setattr(lce_module, "CHUNK_ELEMENTS", 1 << 16)
+    monkeypatch.setattr(lce_module, "CHUNK_BYTES", 1 << 18)
+    monkeypatch.setattr(lce_module, "CHUNK_MIN_ROWS", 16)
     hidden = torch.randn(2048, 64, requires_grad=True)
     weight = (0.1 * torch.randn(3000, 64)).requires_grad_()
     targets = torch.randint(0, 3000, (2048,))
@@ -368,16 +370,13 @@ def test_model_loss_checks_targets_unless_the_data_was_validated(monkeypatch):
     assert checks == ["linear_cross_entropy"]
 
 
-def test_linear_cross_entropy_traffic_recorded_on_meta_tensors():
-    """The aten ops of a bf16 forward + backward (meta tensors: the real chunk loop, Triton launches skipped),
-    recorded by a TorchDispatchMode: every chunk reads W in exactly two matmuls, the weight gradient is accumulated
-    in place (one fp32 [V, d] buffer, plus the final cast to the weight's dtype: no [V, d] result per chunk), and
-    the chunks cover the tokens at the rows ``chunk_rows`` gives."""
+def _record_lce_ops(n_tokens, d, vocab):
+    """The aten ops of a bf16 ``linear_cross_entropy`` forward + backward on meta tensors (the real chunk loop,
+    Triton launches skipped), recorded by a TorchDispatchMode as ``(name, bytes of bf16 W it reads, output)``."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from tritonlm.memory import _skip_triton_launches
 
-    n_tokens, d, vocab = 4096, 200, 50257  # (d matches no chunk's rows: W is told apart by its shape)
     hidden = torch.randn(n_tokens, d, dtype=torch.bfloat16, device="meta", requires_grad=True)
     weight = torch.randn(vocab, d, dtype=torch.bfloat16, device="meta", requires_grad=True)
     targets = torch.randint(0, vocab, (n_tokens,), device="meta")
@@ -387,17 +386,33 @@ def test_linear_cross_entropy_traffic_recorded_on_meta_tensors():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
-            reads_w = any(t.shape in ((vocab, d), (d, vocab)) and t.dtype == torch.bfloat16 for t in tensors)
-            ops.append((str(func.overloadpacket), reads_w, out))
+            w_bytes = sum(t.numel() * t.element_size() for t in tensors
+                          if t.shape in ((vocab, d), (d, vocab)) and t.dtype == torch.bfloat16)
+            ops.append((str(func.overloadpacket), w_bytes, out))
             return out
 
     with _skip_triton_launches(), Record():
         linear_cross_entropy(hidden, weight, targets).backward()
-    rows = lce_module.chunk_rows(n_tokens, vocab)
+    assert weight.grad.shape == (vocab, d) and weight.grad.dtype == torch.bfloat16
+    return ops
+
+
+@pytest.mark.parametrize("n_tokens, vocab, expected_rows", [(4096, 50257, 2560), (8192, 128256, 1024)])
+def test_linear_cross_entropy_traffic_recorded_on_meta_tensors(n_tokens, vocab, expected_rows):
+    """The traffic model of the module docstring, from the recorded aten ops of a bf16 forward + backward: chunks
+    of at least 1024 tokens (the byte budget's rows at GPT-2's and Llama 3's vocabularies, worked out by hand:
+    256 MiB / (50272 x 2 B) = 2670 -> 2560; 128256 x 2 B -> 1046 -> floor 1024), W read in exactly two matmuls per
+    chunk (2·V·d·e bytes each chunk), the weight gradient accumulated in place (one fp32 [V, d] buffer plus the
+    final cast to the weight's dtype: no [V, d] result per chunk)."""
+    d = 200  # (matches no chunk's rows: W is told apart by its shape)
+    ops = _record_lce_ops(n_tokens, d, vocab)
+    rows = lce_module.chunk_rows(n_tokens, vocab, 2)
+    assert rows == expected_rows
     chunks = -(-n_tokens // rows)
-    matmuls = [(name, reads_w, out) for name, reads_w, out in ops if name in ("aten.mm", "aten.addmm")]
-    w_reads = [out for name, reads_w, out in matmuls if reads_w]
+    matmuls = [(name, w_bytes, out) for name, w_bytes, out in ops if name in ("aten.mm", "aten.addmm")]
+    w_reads = [out for name, w_bytes, out in matmuls if w_bytes]
     assert chunks > 1 and len(w_reads) == 2 * chunks
+    assert sum(w_bytes for _, w_bytes, _ in matmuls) == chunks * 2 * (vocab * d * 2)  # 2 reads of bf16 W a chunk
     assert sorted({o.shape[0] for o in w_reads if o.shape[1] == vocab}) == sorted({rows, n_tokens - (chunks - 1) * rows})
     # tensors of W's size the loop allocates (in-place ops and views excluded): the zeroed fp32 accumulator, its
     # final cast to bf16, and autograd's .grad -- never one per chunk
@@ -405,4 +420,3 @@ def test_linear_cross_entropy_traffic_recorded_on_meta_tensors():
               and not name.endswith("_") and name not in ("aten.addmm", "aten.t", "aten.detach", "aten.view")]
     assert sorted(new_vd) == ["aten._to_copy", "aten.new_empty_strided", "aten.zeros"], new_vd
     assert sum(1 for name, _, out in matmuls if name == "aten.addmm" and out.shape == (vocab, d)) == chunks
-    assert weight.grad.shape == (vocab, d) and weight.grad.dtype == torch.bfloat16
