@@ -5,9 +5,18 @@ committed) that the launchers read on that GPU.
 The cases and candidates are the ops' registrations (``kernels/_registry.py``: each tunable's fields, alternatives
 and shipped configuration, each op's sweep inputs). Every candidate runs through the real launcher under :func:`tritonlm.kernels.tuned.override`, so what is timed is
 exactly what a tuned table would launch. A candidate that fails to compile or run (e.g. too much shared memory) is
-reported and skipped. A winner enters the table only when it beats the shipped configuration by
-``MIN_GAIN``; the attention backward's atomic-dQ variant is timed and reported beside its deterministic
-twin but never written (deterministic stays the default until a report argues otherwise).
+reported and skipped. What keeps the comparison honest:
+
+- keys per variant: every case's key must be one the launcher looks up while the case runs (recorded through
+  :func:`tritonlm.kernels.tuned.record_lookups`), else the case is an error row and writes nothing -- a winner
+  measured on the GQA kernel lands under the GQA key and applies to no other variant;
+- a candidate's outputs must match the shipped launch's on the same inputs, else it is an error row;
+- times come from :func:`tritonlm.benchmarking.time_device`: L2 flushed before every run, rounds filling 100 ms,
+  the host enqueueing ahead of the GPU (no launch overhead in the events), the median taken;
+- a winner enters the table only when it beats the shipped configuration by ``MIN_GAIN``.
+
+The attention backward's atomic-dQ variant (``deterministic=False``) has keys of its own (``...-atomic``): a winner
+there tunes that variant when a caller asks for it; it never makes the non-deterministic backward the default.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from tritonlm.benchmarking import time_fn
+from tritonlm.benchmarking import time_device
 from tritonlm.kernels import _registry, tuned
 
 MIN_GAIN = 1.03
@@ -57,12 +66,11 @@ def run_sweep(device, out: Path, smoke: bool = False, time_left=lambda: 1e9) -> 
     """Time every case's candidates; write ``out/tuned/<gpu>.json`` with the winners; return the report rows."""
     dtype = torch.float32 if smoke else torch.bfloat16
     rows, table = [], {}
-    shipped_ms: dict[tuple[str, str], float] = {}  # a variant row (atomic-dQ) compares with its key's shipped time
     for kernel, key, make_step, alternatives in _cases(device, smoke):
         if time_left() < 30:
             rows.append({"kernel": kernel, "key": key, "error": "skipped: suite time budget"})
             continue
-        shipped = _shipped(kernel, key.split()[0], device, dtype)
+        shipped = _shipped(kernel, key, device, dtype)
         candidates = [None] + (alternatives[:2] if smoke else alternatives)
         timings, reference = [], None
         for cand in candidates:
@@ -71,38 +79,40 @@ def run_sweep(device, out: Path, smoke: bool = False, time_left=lambda: 1e9) -> 
             label = "shipped" if cand is None else json.dumps(cand, separators=(",", ":"))
             try:
                 ctx = tuned.override(kernel, **cand) if cand else contextlib.nullcontext()
-                with ctx:
+                with ctx, tuned.record_lookups() as looked_up:
                     torch.manual_seed(0)  # every candidate runs on the same inputs
                     step = make_step()
                     result = step()
+                    if (kernel, key) not in looked_up:  # a winner under this key would never be read
+                        seen = sorted(k for name, k in looked_up if name == kernel)
+                        rows.append({"kernel": kernel, "key": key, "config": label,
+                                     "error": f"wrong key: the launcher looked up {kernel} under {seen}, not {key!r}"})
+                        break
                     if cand is None:
                         reference = result
                     wrong = None if reference is None else _mismatch(result, reference, dtype)
                     if wrong:  # a candidate may only win with the shipped launch's results
                         rows.append({"kernel": kernel, "key": key, "config": label, "error": wrong})
                         continue
-                    ms = 1e3 * statistics.median(time_fn(step, device, warmup=1 if smoke else 3,
-                                                         rounds=2 if smoke else 10))
+                    # (smoke: one timed run after the checked one, the paths exercised, not a measurement)
+                    ms = 1e3 * statistics.median(time_device(step, device, warmup=0 if smoke else 3,
+                                                             min_rounds=1 if smoke else 10,
+                                                             max_rounds=1 if smoke else 500))
             except Exception as e:  # out of resources at compile time, or a launch error
                 rows.append({"kernel": kernel, "key": key, "config": label, "error": repr(e)[:160]})
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                 continue
             timings.append((ms, cand, label))
-        if not timings:
+        if not timings or reference is None:  # (no shipped time: nothing to compare with)
             continue
-        base = next((ms for ms, cand, _ in timings if cand is None), None)
-        if " " in key:  # a variant of the shipped configuration: measured against the default path
-            base = shipped_ms.get((kernel, key.split()[0]), base)
-        elif base is not None:
-            shipped_ms[(kernel, key)] = base
+        base = next(ms for ms, cand, _ in timings if cand is None)
         best_ms, best_cand, best_label = min(timings, key=lambda t: t[0])
         for ms, cand, label in timings:
-            rows.append({"kernel": kernel, "key": key, "config": label, "ms": ms,
-                         "vs_shipped": (base / ms) if base else None, "best": cand is best_cand,
+            rows.append({"kernel": kernel, "key": key, "config": label, "ms": ms, "vs_shipped": base / ms,
+                         "best": cand is best_cand,
                          "shipped_config": json.dumps(shipped, separators=(",", ":")) if cand is None else ""})
-        writable = " " not in key  # the atomic-dQ row is a variant, not a table entry
-        if writable and best_cand is not None and base and base / best_ms >= MIN_GAIN:
+        if best_cand is not None and base / best_ms >= MIN_GAIN:
             table.setdefault(kernel, {})[key] = best_cand
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu-smoke"
     path = out / "tuned" / f"{tuned.gpu_slug(name)}.json"

@@ -40,8 +40,9 @@ class Tunable:
 @dataclass(frozen=True)
 class SweepCase:
     """Inputs the sweep times one tunable on: ``make_step()`` builds them and returns the timed callable (whose
-    result every candidate must reproduce). A ``key`` with a space (``"bf16-d128 atomic-dQ"``) is a variant,
-    reported beside the shipped configuration but never written to a table."""
+    result every candidate must reproduce). ``key`` must be the key the launcher looks up for these inputs (the
+    sweep checks it: a winner is written under it, and a key no launch reads would be a table entry that never
+    applies); kernel variants have keys of their own (attention: ``"bf16-d128-gqa"``, ``"bf16-d128-atomic"``)."""
     tunable: str
     key: str
     make_step: Callable[[], Callable[[], object]]

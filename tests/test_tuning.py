@@ -306,21 +306,86 @@ def test_tma_forward_checks_its_grid_before_launching(monkeypatch):
 # ----------------------------------------------------------------------------------------------------
 # the GPU suite's sweep, smoke-run on CPU: every path, and a table the launchers accept
 # ----------------------------------------------------------------------------------------------------
+def _sweep_module(monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    return importlib.import_module("sweep")
+
+
 @cpu_only
 def test_sweep_smoke_writes_a_valid_table(tmp_path, monkeypatch):
     from pathlib import Path
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
-    sweep = importlib.import_module("sweep")
+    sweep = _sweep_module(monkeypatch)
     result = sweep.run_sweep(torch.device("cpu"), tmp_path, smoke=True)
-    assert [r for r in result["rows"] if "error" in r] == []  # every candidate ran, with the shipped results
+    # every candidate ran with the shipped results, and every case's key is one its launcher looked up
+    assert [r for r in result["rows"] if "error" in r] == []
     rows = result["rows"]
     assert {r["kernel"] for r in rows} == set(tuned.FIELDS)  # every tunable kernel was timed
-    assert any(r["key"].endswith("atomic-dQ") for r in rows)  # the variant is reported ...
-    assert any('"TMA":1' in r["config"] for r in rows)  # ... and so is the TMA forward
+    # the attention variants under keys of their own, each kernel of the backward apart
+    keys = {(r["kernel"], r["key"]) for r in rows}
+    for variant in ("", "-gqa", "-varlen", "-window", "-softcap"):
+        for kernel in ("attention_fwd", "attention_bwd", "attention_bwd_dq"):
+            assert (kernel, "fp32-d16" + variant) in keys
+    assert ("attention_bwd", "fp32-d16-atomic") in keys and ("attention_fwd", "fp32-d16-gqa-decode") in keys
+    assert any('"TMA":1' in r["config"] for r in rows)  # the TMA forward competes
     table = json.loads(Path(result["table"]).read_text())
-    entries = tuned.validate(table, result["table"])  # what the launchers would read
-    assert all(" " not in key for per_kernel in entries.values() for key in per_kernel)  # variants never written
+    tuned.validate(table, result["table"])  # what the launchers would read
+
+
+@cpu_only
+def test_sweep_refuses_a_key_the_launcher_does_not_read(tmp_path, monkeypatch):
+    """A GQA step timed under the plain kernel's key: its winner would land where GQA launches never look, so
+    the case is an error row and writes nothing (even with a candidate that would win)."""
+    sweep = _sweep_module(monkeypatch)
+
+    def make_step():
+        q, k = torch.randn(1, 4, 40, 16), torch.randn(1, 1, 40, 16)
+        return lambda: flash_attention(q, k, k, True)
+
+    monkeypatch.setattr(sweep, "_cases", lambda device, smoke: [
+        ("attention_fwd", "fp32-d16", make_step, [dict(BLOCK_M=16, BLOCK_N=16)])])
+    result = sweep.run_sweep(torch.device("cpu"), tmp_path, smoke=True)
+    errors = [r for r in result["rows"] if "error" in r]
+    assert len(errors) == 1 and "wrong key" in errors[0]["error"] and "fp32-d16-gqa" in errors[0]["error"]
+    assert result["entries"] == 0 and not [r for r in result["rows"] if "ms" in r]
+
+
+@cpu_only
+@pytest.mark.parametrize("call, kernel_keys", [
+    (lambda q, k: flash_attention(q, q, q, True), {("attention_fwd", "fp32-d16"), ("attention_bwd", "fp32-d16"),
+                                                   ("attention_bwd_dq", "fp32-d16")}),
+    (lambda q, k: flash_attention(q, k, k, True), {("attention_fwd", "fp32-d16-gqa"), ("attention_bwd", "fp32-d16-gqa"),
+                                                   ("attention_bwd_dq", "fp32-d16-gqa")}),
+    (lambda q, k: flash_attention(q, q, q, True, softcap=30.0), {("attention_bwd", "fp32-d16-softcap")}),
+    (lambda q, k: flash_attention(q, q, q, True, deterministic=False), {("attention_bwd", "fp32-d16-atomic")}),
+])
+def test_attention_launches_look_up_their_variant_key(call, kernel_keys):
+    """Each kernel variant reads its own tuned entry: the keys every launch looks up, recorded."""
+    q = torch.randn(1, 4, 40, 16, requires_grad=True)
+    k = torch.randn(1, 2, 40, 16, requires_grad=True)
+    with tuned.record_lookups() as seen:
+        call(q, k).sum().backward()
+    assert kernel_keys <= seen, seen
+    attention = {key for kernel, key in seen if kernel.startswith("attention")}
+    assert all(key.startswith("fp32-d16") for key in attention)
+    assert FA.parse_key("bf16-d128-gqa-window") == (128, ("gqa", "window"))
+    assert FA.config_key(100, torch.bfloat16, ("window", "gqa")) == "bf16-d128-gqa-window"  # variants in order
+
+
+def test_time_device_flushes_l2_before_every_timed_run(monkeypatch):
+    """The sweep's timer: a flush precedes every timed call (none between a flush and its call), and the rounds
+    fill the time target instead of a fixed few."""
+    from tritonlm import benchmarking
+
+    events = []
+    monkeypatch.setattr(benchmarking, "_flush_l2", lambda device: events.append("flush"))
+    times = benchmarking.time_device(lambda: events.append("run"), torch.device("cpu"), warmup=2, target_s=1e-9,
+                                     min_rounds=7, max_rounds=9)
+    assert len(times) == 7
+    timed = events[3:]  # (warm-up runs and the estimate run are not timed and not flushed)
+    assert events[:3] == ["run"] * 3 and timed == ["flush", "run"] * 7
 
 
 @cpu_only
@@ -328,10 +393,8 @@ def test_sweep_refuses_a_candidate_with_other_results(tmp_path, monkeypatch):
     """A faster candidate whose outputs differ from the shipped launch's is an error row and never enters the
     table."""
     import contextlib
-    from pathlib import Path
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
-    sweep = importlib.import_module("sweep")
+    sweep = _sweep_module(monkeypatch)
     active = []
 
     @contextlib.contextmanager
@@ -342,7 +405,10 @@ def test_sweep_refuses_a_candidate_with_other_results(tmp_path, monkeypatch):
 
     def make_step():
         x = torch.randn(8, 8)
-        return lambda: x * (2.0 if active else 1.0)  # the candidate computes something else
+        def step():  # looks up its key as a launcher would; the candidate computes something else
+            tuned.choose("swiglu", "fp32", torch.device("cpu"), {})
+            return x * (2.0 if active else 1.0)
+        return step
 
     monkeypatch.setattr(sweep.tuned, "override", override)
     monkeypatch.setattr(sweep, "_cases", lambda device, smoke: [("swiglu", "fp32", make_step, [dict(BLOCK=512)])])

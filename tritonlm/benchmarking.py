@@ -46,6 +46,58 @@ def time_fn(fn: Callable[[], object], device: torch.device, warmup: int = 3, rou
     return times
 
 
+#: bytes written between timed runs so that no run finds its inputs in L2 (H100 50 MB, H200 60 MB; B200 126 MB)
+L2_FLUSH_BYTES = 256 << 20
+_FLUSH_BUFFERS: dict = {}
+
+
+def _flush_l2(device: torch.device) -> None:
+    """Overwrite more memory than the GPU's L2 holds (a no-op on CPU)."""
+    if device.type != "cuda":
+        return
+    buffer = _FLUSH_BUFFERS.get(device)
+    if buffer is None:
+        buffer = _FLUSH_BUFFERS[device] = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+    buffer.zero_()
+
+
+def time_device(fn: Callable[[], object], device: torch.device, warmup: int = 3, target_s: float = 0.1,
+                min_rounds: int = 10, max_rounds: int = 500) -> list[float]:
+    """Seconds of device time per call of ``fn``, for the sweep's comparisons of launch configurations.
+
+    Unlike :func:`time_fn`: L2 is flushed before every run (each run reads its inputs from HBM, as in a model where
+    the layer before evicted them); rounds are as many as fill ``target_s`` (between ``min_rounds`` and
+    ``max_rounds``), not a fixed few; on CUDA every round is enqueued behind a spin kernel with no host sync
+    between rounds, so the host runs ahead and the events time the GPU's work, not Python's launch overhead."""
+    for _ in range(warmup):
+        fn()
+    rounds = min_rounds
+    if max_rounds > min_rounds:  # as many rounds as fill target_s, from one timed run
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        estimate = max(time.perf_counter() - t0, 1e-6)
+        rounds = int(min(max_rounds, max(min_rounds, target_s // estimate)))
+    if device.type != "cuda":
+        times = []
+        for _ in range(rounds):
+            _flush_l2(device)
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return times
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rounds)]
+    torch.cuda._sleep(50_000_000)  # ~25 ms of spinning: the host enqueues the rounds while the GPU is busy
+    for start, end in events:
+        _flush_l2(device)
+        start.record()
+        fn()
+        end.record()
+    sync(device)
+    return [start.elapsed_time(end) / 1e3 for start, end in events]
+
+
 def summary(times: list[float]) -> dict:
     return {"mean_s": statistics.fmean(times), "std_s": statistics.pstdev(times) if len(times) > 1 else 0.0,
             "min_s": min(times), "rounds": len(times)}

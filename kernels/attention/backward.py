@@ -61,11 +61,13 @@ def _load_lse_log2(LSE_ROW, offs_m, n_q):
 
 @triton.jit
 def _bwd_dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW, offs_n, d_mask,
-                   start_m, n_q, n_k, shift, win_left, win_right, qk_scale, dq_ptrs, stride_dqm, softcap,
+                   start_m, n_q, n_k, shift, win_left, win_right, qk_scale, dq_ptrs, stride_dqm, softcap, mask_tile,
                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
                    ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     """Fold the query tile at ``start_m`` into this key tile's dK, dV (and, with ``ATOMIC_DQ``, add its share of
-    dQ = dS K into the fp32 dQ buffer with atomics: no separate dQ kernel, 5 matmuls per tile pair, not 7)."""
+    dQ = dS K into the fp32 dQ buffer with atomics: no separate dQ kernel, 5 matmuls per tile pair, not 7).
+    ``MASKED`` compiles the visibility mask in; ``mask_tile`` (runtime) applies it, so a loop over tiles of
+    which only some are on the diagonal (GQA's flattened loop) skips the comparisons on the others."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     row_mask = (offs_m[:, None] < n_q) & d_mask[None, :]
     # ---- load a query tile, its dO, L and D (padding rows load as zero / +inf)
@@ -77,7 +79,9 @@ def _bwd_dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW
     s_t, tanh_t = _scores(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION), qk_scale, softcap, SOFTCAP)
     p_t = tl.math.exp2(s_t - lse[None, :])
     if MASKED:
-        p_t = tl.where(tl.trans(_visible(offs_m, offs_n, n_k, shift, win_left, win_right, CAUSAL, WINDOW)), p_t, 0.0)
+        if mask_tile:
+            p_t = tl.where(tl.trans(_visible(offs_m, offs_n, n_k, shift, win_left, win_right, CAUSAL, WINDOW)),
+                           p_t, 0.0)
     # ---- dV += Pᵀ dO ; dPᵀ = V dOᵀ ; dSᵀ = Pᵀ (dPᵀ - D) ; dK += dSᵀ Q
     p_lo = p_t.to(do.dtype)
     if SOFTCAP:
@@ -107,7 +111,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_RO
     for start_m in range(q_start, q_end, BLOCK_M):
         dk, dv = _bwd_dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW, offs_n,
                                 d_mask, start_m, n_q, n_k, shift, win_left, win_right, qk_scale, dq_ptrs, stride_dqm,
-                                softcap, MASKED=MASKED, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_M=BLOCK_M,
+                                softcap, True, MASKED=MASKED, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_M=BLOCK_M,
                                 ATOMIC_DQ=ATOMIC_DQ, DOT_PRECISION=DOT_PRECISION, SOFTCAP=SOFTCAP)
     return dk, dv
 
@@ -162,9 +166,11 @@ def _bwd_dkdv_kernel(
             q_ptrs = Q + b * stride_qb + h * stride_qh + q_start * stride_qm + offs_d[None, :]
             do_ptrs = DO + b * stride_dob + h * stride_doh + q_start * stride_dom + offs_d[None, :]
             dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + q_start * stride_dqm + offs_d[None, :]
+            # only the tiles on the diagonal (or a window's edges) compare indices
+            on_edge = (start_m < full_lo) | (start_m >= full_hi)
             dk, dv = _bwd_dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE + row_lse,
                                     DELTA + row_lse, offs_n, d_mask, start_m, n_q, n_k, shift, win_left, win_right,
-                                    qk_scale, dq_ptrs, stride_dqm, softcap, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW,
+                                    qk_scale, dq_ptrs, stride_dqm, softcap, on_edge, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW,
                                     BLOCK_M=BLOCK_M, ATOMIC_DQ=ATOMIC_DQ, DOT_PRECISION=DOT_PRECISION, SOFTCAP=SOFTCAP)
     else:
         # ---- one query head: masked head range, unmasked middle, masked tail

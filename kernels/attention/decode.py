@@ -38,17 +38,18 @@ def _decode_splits(n_bh: int, n_q: int, n_k: int, block_n: int, device: torch.de
 
 
 def split_kv_forward(args, o4, lse, lse_strides, splits, h, group, n_q, n_k, d, qk_scale, win_left,
-                     win_right, common, device, tail=(0, 0, 1.0), max_block_n=None):
+                     win_right, common, device, tail=(0, 0, 1.0), max_block_n=None, config=None):
     """Run the split forward and the combine for a dense batch. ``args(o, lse, o_strides, lse_strides)`` gives the
     forward kernel's leading arguments, ``tail`` its block-table stride, page size and softcap (:func:`.tiles._scores`,
     like ``qk_scale``); ``common`` its shared constexprs; ``max_block_n`` caps the key tile (a paged cache's block
-    size). ``h``: the query heads, or with ``common["PACK_GQA"]`` the kv heads (a program's tile then holds the
+    size); ``config`` the split kernel's ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (the launcher's tuned
+    ``-decode`` key; :data:`DECODE_CONFIG` when not given). ``h``: the query heads, or with ``common["PACK_GQA"]`` the kv heads (a program's tile then holds the
     ``group x n_q`` queries of one kv head's group)."""
     b_h = o4.shape[0] * h
-    block_m, block_n, warps, stages = DECODE_CONFIG if on_gpu(device) else DECODE_INTERPRETER_CONFIG
+    block_m, block_n, warps, stages = config or (DECODE_CONFIG if on_gpu(device) else DECODE_INTERPRETER_CONFIG)
     pack = common["PACK_GQA"]
-    if pack:
-        block_m = max(block_m, next_pow2(group * n_q))
+    # the one query tile holds every query (of the group, packed): at least those rows, and tl.dot's 16
+    block_m = max(block_m, 16, next_pow2(group * n_q if pack else n_q))
     block_n = min(block_n, max_block_n or block_n)
     # every split but the last covers a whole number of key tiles
     split_size = triton.cdiv(triton.cdiv(n_k, splits), block_n) * block_n

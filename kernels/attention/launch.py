@@ -76,19 +76,45 @@ PACK_GQA_MAX_ROWS = 64
 
 
 _CONFIG_FIELDS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+#: the kernel variants a tuned key names, in key order: each compiles to a different kernel (other constexprs,
+#: other registers), so a tile shape measured on one says nothing about another
+VARIANTS = ("gqa", "varlen", "window", "softcap", "atomic", "decode")
 
 
-def _tuned(kernel: str, d: int, dtype: torch.dtype, device: torch.device, shipped: tuple) -> tuple[int, int, int, int]:
+def config_key(d: int, dtype: torch.dtype, variant: tuple[str, ...] = ()) -> str:
+    """The tuned-table key of a launch: ``"bf16-d128"`` for the plain kernel, ``"bf16-d128-gqa-window"`` for a
+    variant (its names in :data:`VARIANTS` order). The sweep times and keys every variant separately."""
+    unknown = set(variant) - set(VARIANTS)
+    if unknown:
+        raise ValueError(f"attention config key: unknown variant(s) {sorted(unknown)} (known: {VARIANTS})")
+    return "-".join((tuned.dtype_name(dtype), f"d{_block_d(d)}", *(v for v in VARIANTS if v in variant)))
+
+
+def parse_key(key: str) -> tuple[int, tuple[str, ...]]:
+    """``(padded head dim, variant)`` of a :func:`config_key` (the sweep's view of a key)."""
+    parts = key.split("-")
+    return int(parts[1][1:]), tuple(parts[2:])
+
+
+def _variant(gqa: bool = False, varlen: bool = False, window: bool = False, softcap: bool = False,
+             atomic: bool = False, decode: bool = False) -> tuple[str, ...]:
+    flags = dict(gqa=gqa, varlen=varlen, window=window, softcap=softcap, atomic=atomic, decode=decode)
+    return tuple(name for name in VARIANTS if flags[name])
+
+
+def _tuned(kernel: str, d: int, dtype: torch.dtype, device: torch.device, shipped: tuple,
+           variant: tuple[str, ...] = ()) -> tuple[int, int, int, int]:
     """The shipped ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``, unless a tuned table (``kernels/tuned``, from a
-    GPU run of the suite's sweep) or a sweep override has an entry for this GPU, dtype and head dim."""
-    cfg = tuned.choose(kernel, f"{tuned.dtype_name(dtype)}-d{_block_d(d)}", device, dict(zip(_CONFIG_FIELDS, shipped)))
+    GPU run of the suite's sweep) or a sweep override has an entry for this GPU, dtype, head dim and variant."""
+    cfg = tuned.choose(kernel, config_key(d, dtype, variant), device, dict(zip(_CONFIG_FIELDS, shipped)))
     return tuple(cfg[f] for f in _CONFIG_FIELDS)
 
 
-def _tma_selected(d: int, dtype: torch.dtype, device: torch.device, kernel: str = "attention_fwd") -> bool:
+def _tma_selected(d: int, dtype: torch.dtype, device: torch.device, kernel: str = "attention_fwd",
+                  variant: tuple[str, ...] = ()) -> bool:
     """Whether a tuned table (or the sweep) asks for the TMA variant of ``kernel`` here; never by default. Hopper
     (sm_90+) or the interpreter (which emulates descriptors) only."""
-    chosen = tuned.choose(kernel, f"{tuned.dtype_name(dtype)}-d{_block_d(d)}", device, {"TMA": 0})["TMA"]
+    chosen = tuned.choose(kernel, config_key(d, dtype, variant), device, {"TMA": 0})["TMA"]
     # cuda: the device's capability; meta (the SASS report): the assumed target; cpu: the interpreter
     hopper = device.type == "cpu" or gpu_capability(device) >= 90
     return bool(chosen) and hopper
@@ -118,26 +144,60 @@ def _set_tma_allocator(device: torch.device) -> None:
         _TMA_ALLOCATOR_SET = True
 
 
-def _fwd_config(d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
+def _fwd_config(d: int, dtype: torch.dtype, device: torch.device,
+                variant: tuple[str, ...] = ()) -> tuple[int, int, int, int]:
+    """Forward tiles of a variant (:data:`VARIANTS`): the shipped table with its per-variant adjustments, then a
+    tuned entry for exactly this key, which replaces them."""
     if not on_gpu(device):
-        return _tuned("attention_fwd", d, dtype, device, INTERPRETER_CONFIG)
+        return _tuned("attention_fwd", d, dtype, device, INTERPRETER_CONFIG, variant)
     block_m, block_n, warps, stages = FWD_CONFIGS[_block_d(d)]
     if dtype == torch.float32:
         if _dot_precision(dtype)["DOT_PRECISION"] == "ieee":
             # IEEE fp32 dots run on FMA units, not tensor cores: smaller tiles (SASS report rows)
-            return _tuned("attention_fwd", d, dtype, device, IEEE_FWD_CONFIGS.get(_block_d(d), (16, 32, 4, 2)))
+            return _tuned("attention_fwd", d, dtype, device, IEEE_FWD_CONFIGS.get(_block_d(d), (16, 32, 4, 2)),
+                          variant)
         block_n = max(16, block_n // 2)
-    return _tuned("attention_fwd", d, dtype, device, (block_m, block_n, warps, stages))
+    if ("varlen" in variant or "window" in variant) and gpu_capability(device) < 90 and d > 64:
+        # sm_80 at d 128: the packed / windowed forward's extra range bookkeeping spills with 64-key tiles
+        # (40 / 16 bytes in the SASS report); 32-key tiles are spill-free
+        block_n = min(block_n, 32)
+    return _tuned("attention_fwd", d, dtype, device, (block_m, block_n, warps, stages), variant)
 
 
-def _bwd_config(d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
-    if not on_gpu(device):
-        return _tuned("attention_bwd", d, dtype, device, INTERPRETER_CONFIG)
+def _bwd_shipped(d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
     table = BWD_CONFIGS_SM80 if gpu_capability(device) < 90 else {}
     block_m, block_n, warps, stages = table.get(_block_d(d), BWD_CONFIGS[_block_d(d)])
     if dtype == torch.float32:
         block_m, block_n = max(16, block_m // 2), max(16, block_n // 2)
-    return _tuned("attention_bwd", d, dtype, device, (block_m, block_n, warps, stages))
+    return block_m, block_n, warps, stages
+
+
+def _bwd_config(d: int, dtype: torch.dtype, device: torch.device,
+                variant: tuple[str, ...] = ()) -> tuple[int, int, int, int]:
+    """Tiles of the dK/dV kernel (``BLOCK_N`` keys held, ``BLOCK_M`` queries a step) for a variant; ``"atomic"``
+    is the 5-matmul backward, whose dK/dV kernel also adds dS K into the fp32 dQ buffer."""
+    if not on_gpu(device):
+        return _tuned("attention_bwd", d, dtype, device, INTERPRETER_CONFIG, variant)
+    block_m, block_n, warps, stages = _bwd_shipped(d, dtype, device)
+    if "atomic" in variant and _block_d(d) >= 128:
+        # the atomic variant holds a dQ tile besides dK/dV: 64-query tiles at 8 warps spill at d 128 (80 B on
+        # sm_90); 32-query tiles do not (but run on mma, not wgmma: the sweep's 64-row candidates are the
+        # alternative, SASS report rows attention.bwd_dkdv_atomic_dq*)
+        block_m = min(block_m, 32)
+    if "softcap" in variant and _block_d(d) >= 128 and gpu_capability(device) >= 90:
+        # the softcap's tanh tile on top of 64-query tiles spills on sm_90 at d 128 (64 B, 255 registers);
+        # 32-query tiles in the dK/dV kernel are spill-free on wgmma (203 registers; SASS report softcap rows)
+        block_m = min(block_m, 32)
+    return _tuned("attention_bwd", d, dtype, device, (block_m, block_n, warps, stages), variant)
+
+
+def _bwd_dq_config(d: int, dtype: torch.dtype, device: torch.device,
+                   variant: tuple[str, ...] = ()) -> tuple[int, int, int, int]:
+    """Tiles of the dQ kernel (``BLOCK_M`` queries held, ``BLOCK_N`` keys a step), tuned apart from the dK/dV
+    kernel's: it holds Q, dO and dQ, not K, V, dK and dV, so its best shape differs."""
+    if not on_gpu(device):
+        return _tuned("attention_bwd_dq", d, dtype, device, INTERPRETER_CONFIG, variant)
+    return _tuned("attention_bwd_dq", d, dtype, device, _bwd_shipped(d, dtype, device), variant)
 
 
 def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, window=(-1, -1),
@@ -192,22 +252,26 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
         *_strides3(k4, packed), *_strides3(v4, packed), *o_strides, *l_strides)
     # a paged tile must not cross a block: key tiles of at most page_size rows (both powers of two x 16)
     max_block_n = (page_size & -page_size) if paged else None
+    # the tuned-table key names the variant this launch compiles to (config_key)
+    variant = _variant(gqa=group > 1, varlen=packed, window=common["WINDOW"], softcap=bool(softcap))
+    split_config = _tuned("attention_fwd", d, q.dtype, q.device, decode.DECODE_CONFIG if on_gpu(q.device)
+                          else decode.DECODE_INTERPRETER_CONFIG, variant + ("decode",))
     if num_splits == 1 or packed or n_q > decode.DECODE_MAX_QUERIES:
         splits = 1
     elif num_splits > 1:
         splits = min(num_splits, triton.cdiv(n_k, 16))
     else:
-        splits = decode._decode_splits(b * grid_heads, n_q, n_k, decode.DECODE_CONFIG[1], q.device)
+        splits = decode._decode_splits(b * grid_heads, n_q, n_k, split_config[1], q.device)
     if splits > 1:
         # ---- flash-decoding: keys split over programs, partials combined by their logsumexps
         decode.split_kv_forward(args, o4, lse, lse_strides, splits, grid_heads, group, n_q, n_k, d, qk_scale, win_left,
-                                win_right, common, q.device, cache_args, max_block_n)
+                                win_right, common, q.device, cache_args, max_block_n, split_config)
         return o, lse
-    block_m, block_n, warps, stages = _fwd_config(d, q.dtype, q.device)
+    block_m, block_n, warps, stages = _fwd_config(d, q.dtype, q.device, variant)
     if paged:
         block_n = min(block_n, max_block_n)
     if (not packed and not cache and not pack and not common["WINDOW"] and not softcap
-            and _tma_selected(d, q.dtype, q.device)
+            and _tma_selected(d, q.dtype, q.device, "attention_fwd", variant)
             and b * h <= MAX_GRID_AXIS1 and _tma_ready(q4, k4, v4, o4)):
         # ---- Hopper TMA variant (chosen only by a tuned table / the sweep): dense attention, descriptor loads;
         # descriptors index whole tensors, so it runs as one launch (more batch x heads keep the default kernel)
@@ -217,10 +281,6 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
             b, h, k4.shape[1], group, n_q, n_k, d, softmax_scale * LOG2E, CAUSAL=is_causal, BLOCK_M=block_m,
             BLOCK_N=block_n, BLOCK_D=_block_d(d), num_warps=warps, num_stages=stages, **_dot_precision(q.dtype))
         return o, lse
-    if (packed or common["WINDOW"]) and on_gpu(q.device) and gpu_capability(q.device) < 90 and d > 64:
-        # sm_80 at d 128: the packed / windowed forward's extra range bookkeeping spills with 64-key tiles
-        # (40 / 16 bytes in the SASS report); 32-key tiles are spill-free
-        block_n = min(block_n, 32)
     tile_rows = group * n_q if pack else n_q
     if tile_rows < block_m or pack:  # few queries (decoding against a short cache): a smaller query tile wastes
         block_m = max(16, next_pow2(tile_rows))  # less; a packed group is always one tile
@@ -263,38 +323,36 @@ def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale
     block_d = _block_d(d)
     delta = torch.empty_like(lse)
     pre_m = 64
-    block_m, block_n, warps, stages = _bwd_config(d, q.dtype, q.device)
-    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, VARLEN=packed, CAUSAL=is_causal,
-                 WINDOW=_has_window(is_causal, window), SOFTCAP=bool(softcap), num_warps=warps, num_stages=stages,
-                 **_dot_precision(q.dtype))
+    window_on = _has_window(is_causal, window)
+    # the dK/dV and dQ kernels have tile shapes of their own, each keyed by the variant it compiles to
+    variant = _variant(gqa=group > 1, varlen=packed, window=window_on, softcap=bool(softcap))
+    dkdv_variant = variant + (() if deterministic else ("atomic",))
+    block_m, block_n, warps, stages = _bwd_config(d, q.dtype, q.device, dkdv_variant)
+    dq_m, dq_n, dq_warps, dq_stages = _bwd_dq_config(d, q.dtype, q.device, variant)
+    common = dict(BLOCK_D=block_d, VARLEN=packed, CAUSAL=is_causal, WINDOW=window_on, SOFTCAP=bool(softcap),
+                  **_dot_precision(q.dtype))
+    dkdv_tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common)
+    dq_tiles = dict(BLOCK_M=dq_m, BLOCK_N=dq_n, num_warps=dq_warps, num_stages=dq_stages, **common)
     qk_scale, cap = score_scales(softmax_scale, softcap)
     q_s, k_s, v_s, do_s = (_strides3(t, packed) for t in (q4, k4, v4, do4))
     for bh_start, n_bh in grid_axis1_launches(b * h):
         _bwd_preprocess[(triton.cdiv(n_q, pre_m), n_bh)](
             o4, do4, delta, cu_q, cu_k, *_strides3(o4, packed), *do_s, *lse_strides, h, bh_start, n_q, d,
             VARLEN=packed, BLOCK_M=pre_m, BLOCK_D=block_d)
-    if (deterministic and not packed and not tiles["WINDOW"] and not softcap and _tma_selected(d, q.dtype, q.device, "attention_bwd")
+    if (deterministic and not packed and not window_on and not softcap
+            and _tma_selected(d, q.dtype, q.device, "attention_bwd", variant)
             and b * max(h, h_kv) <= MAX_GRID_AXIS1 and _tma_ready(q4, k4, v4, do4, dq4, dk4, dv4)):
         # ---- Hopper TMA variant (chosen only by a tuned table / the sweep): descriptor loads, same math
         _set_tma_allocator(q.device)
         shapes = (b, h, h_kv, group, n_q, n_k, d, qk_scale, softmax_scale)
-        opts = dict(CAUSAL=is_causal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps,
-                    num_stages=stages, **_dot_precision(q.dtype))  # (no SOFTCAP: the TMA kernels never cap)
+        tma = dict(CAUSAL=is_causal, BLOCK_D=block_d, **_dot_precision(q.dtype))  # (the TMA kernels never cap)
         _bwd_dkdv_kernel_tma[(triton.cdiv(n_k, block_n), b * h_kv)](
             q4, k4, v4, do4, lse, delta, dk4, dv4, *q_s, *k_s, *v_s, *do_s, *_strides3(dk4), *_strides3(dv4),
-            *lse_strides, *shapes, **opts)
-        _bwd_dq_kernel_tma[(triton.cdiv(n_q, block_m), b * h)](
-            q4, k4, v4, do4, lse, delta, dq4, *q_s, *k_s, *v_s, *do_s, *_strides3(dq4), *lse_strides, *shapes, **opts)
+            *lse_strides, *shapes, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **tma)
+        _bwd_dq_kernel_tma[(triton.cdiv(n_q, dq_m), b * h)](
+            q4, k4, v4, do4, lse, delta, dq4, *q_s, *k_s, *v_s, *do_s, *_strides3(dq4), *lse_strides, *shapes,
+            BLOCK_M=dq_m, BLOCK_N=dq_n, num_warps=dq_warps, num_stages=dq_stages, **tma)
         return dq, dk, dv
-    if not deterministic and block_d >= 128 and on_gpu(q.device):
-        # the atomic variant holds a dQ tile besides dK/dV: 64-query tiles spill at d 128 (80 B on sm_90)
-        block_m = min(block_m, 32)
-        tiles["BLOCK_M"] = block_m
-    dkdv_tiles = dict(tiles)
-    if softcap and block_d >= 128 and on_gpu(q.device) and gpu_capability(q.device) >= 90:
-        # the softcap's tanh tile on top of 64-query tiles spills on sm_90 at d 128 (64 B, 255 registers);
-        # 32-query tiles in the dK/dV kernel are spill-free on wgmma (203 registers; SASS report softcap rows)
-        dkdv_tiles["BLOCK_M"] = min(block_m, 32)
     # dK/dV: one program per (key tile, batch, kv head), summing its group of query heads (needs every D above);
     # non-deterministic variant: an fp32 dQ buffer laid out [b, h, rows, d] like q4 that the dK/dV kernel adds into
     dq_acc = torch.zeros(q4.shape, dtype=torch.float32, device=q.device) if not deterministic else dq4
@@ -308,10 +366,10 @@ def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale
         dq4.copy_(dq_acc.mul_(softmax_scale))
         return dq, dk, dv
     for bh_start, n_bh in grid_axis1_launches(b * h):
-        _bwd_dq_kernel[(triton.cdiv(n_q, block_m), n_bh)](
+        _bwd_dq_kernel[(triton.cdiv(n_q, dq_m), n_bh)](
             q4, k4, v4, do4, lse, delta, dq4, cu_q, cu_k, *q_s, *k_s, *v_s, *do_s, *_strides3(dq4, packed),
             *lse_strides, h, group, bh_start, n_q, n_k, d, qk_scale, softmax_scale, win_left, win_right, cap,
-            EVEN_D=d == block_d, **tiles)
+            EVEN_D=d == block_d, **dq_tiles)
     return dq, dk, dv
 
 

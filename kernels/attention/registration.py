@@ -7,13 +7,17 @@ import contextlib
 import torch
 
 from .. import _registry, tuned
+from .interface import flash_attn_func, flash_attn_varlen_func
 from .launch import (
     _CONFIG_FIELDS,
     _bwd_config,
+    _bwd_dq_config,
     _fwd_config,
+    config_key,
     flash_attention,
     flash_attention_backward,
     flash_attention_forward,
+    parse_key,
 )
 
 L = _registry.SassLaunch
@@ -133,39 +137,80 @@ def _sass_cases(quick: bool) -> list[_registry.SassCase]:
 
 
 def _sweep_cases(device: torch.device, smoke: bool) -> list[_registry.SweepCase]:
-    """Causal ``[4, 16, 4096, d]`` at d 64 and 128 (smoke: ``[1, 2, 64, 16]``), forward and forward + backward; the
-    atomic-dQ backward as a reported variant; the Hopper TMA kernels compete on sm_90+ (and in the smoke run)."""
+    """Causal ``[4, 16, 4096, d]`` at d 64 and 128 (smoke: ``[1, 2, 64, 16]``): the forward, the dK/dV kernel and the
+    dQ kernel, each timed through forward + backward with its own candidates (the Hopper TMA kernels compete on
+    sm_90+ and in the smoke run). Then each variant at d 128 under its own key (:func:`.launch.config_key`): GQA
+    (4 query heads per kv head), packed documents (4 per sequence), a sliding window (1/4 of the sequence), the
+    logit softcap, the atomic-dQ (5-matmul) backward, and split-KV decoding (1 query against an 8K GQA cache)."""
     dtype = torch.float32 if smoke else torch.bfloat16
+    b, h, n = (1, 4, 64) if smoke else (4, 16, 4096)
+    hopper = smoke or torch.cuda.get_device_capability(device)[0] >= 9
+    tma = (dict(TMA=1),) if hopper else ()
+    few = 1 if smoke else 3  # candidates per variant (the plain kernels get them all)
+
+    def inputs(shape, kv_shape=None, grad=True):
+        q = torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad)
+        k, v = (torch.randn(*(kv_shape or shape), device=device, dtype=dtype, requires_grad=grad) for _ in range(2))
+        return q, k, v
+
+    def training(attend, *tensors):
+        """Forward + backward (a candidate's forward must not change what the backward sees)."""
+        grad = torch.randn_like(tensors[0])
+        return lambda: torch.autograd.grad(attend(*tensors), tensors, grad)
+
+    def dense(d, kv_heads=None, window=None, softcap=0.0, deterministic=True, train=True):
+        def make():
+            q, k, v = inputs((b, n, h, d), (b, n, kv_heads or h, d), grad=train)
+            attend = lambda q, k, v: flash_attn_func(q, k, v, causal=True, window_size=window or (-1, -1),  # noqa: E731
+                                                     softcap=softcap, deterministic=deterministic)
+            return training(attend, q, k, v) if train else (lambda: attend(q, k, v))
+        return make
+
+    def packed(d, train=True):
+        def make():
+            lens = [n // 4] * (4 * b)  # 4 documents per sequence's worth of tokens
+            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+            q, k, v = inputs((sum(lens), h, d), grad=train)
+            attend = lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, n // 4, n // 4, causal=True,  # noqa: E731
+                                                                deterministic=True)
+            return training(attend, q, k, v) if train else (lambda: attend(q, k, v))
+        return make
+
+    def decoding(d):
+        def make():
+            q = torch.randn(b, h, 1, d, device=device, dtype=dtype)
+            cache = torch.randn(b, max(1, h // 4), 2048 if smoke else 8192, d, device=device, dtype=dtype)
+            return lambda: flash_attention(q, cache, cache, True)
+        return make
+
     cases = []
     for d in ((16,) if smoke else (64, 128)):
-        b, h, n = (1, 2, 64) if smoke else (4, 16, 4096)
-        key = f"{tuned.dtype_name(dtype)}-d{d}"
-
-        def fwd_step(d=d, b=b, h=h, n=n):
-            q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype) for _ in range(3))
-            return lambda: flash_attention(q, k, v, True)
-
-        def bwd_step(d=d, b=b, h=h, n=n, deterministic=True):
-            q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-            grad = torch.randn(b, h, n, d, device=device, dtype=dtype)
-
-            def step():  # forward and backward (a candidate's forward must not change what the backward sees)
-                out = flash_attention(q, k, v, True, deterministic=deterministic)
-                return torch.autograd.grad(out, (q, k, v), grad)
-            return step
-
-        hopper = smoke or torch.cuda.get_device_capability(device)[0] >= 9
-        tma = (dict(TMA=1),) if hopper else ()
-        cases += [_registry.SweepCase("attention_fwd", key, fwd_step, tma + _FWD_CANDIDATES),
-                  _registry.SweepCase("attention_bwd", key, bwd_step, tma + _BWD_CANDIDATES),
-                  _registry.SweepCase("attention_bwd", key + " atomic-dQ", lambda f=bwd_step: f(deterministic=False),
-                                      ())]
+        key = config_key(d, dtype)
+        cases += [_registry.SweepCase("attention_fwd", key, dense(d, train=False), tma + _FWD_CANDIDATES),
+                  _registry.SweepCase("attention_bwd", key, dense(d), tma + _BWD_CANDIDATES),
+                  _registry.SweepCase("attention_bwd_dq", key, dense(d), _DQ_CANDIDATES)]
+    d = 16 if smoke else 128
+    gqa, window, cap = dict(kv_heads=h // 4), dict(window=(n // 4, 0)), dict(softcap=50.0)
+    for variant, make_fwd, make_train in (
+            (("gqa",), dense(d, train=False, **gqa), dense(d, **gqa)),
+            (("varlen",), packed(d, train=False), packed(d)),
+            (("window",), dense(d, train=False, **window), dense(d, **window)),
+            (("softcap",), dense(d, train=False, **cap), dense(d, **cap))):
+        key = config_key(d, dtype, variant)
+        cases += [_registry.SweepCase("attention_fwd", key, make_fwd, _FWD_CANDIDATES[:few]),
+                  _registry.SweepCase("attention_bwd", key, make_train, _BWD_CANDIDATES[:few]),
+                  _registry.SweepCase("attention_bwd_dq", key, make_train, _DQ_CANDIDATES[:few])]
+    cases += [_registry.SweepCase("attention_bwd", config_key(d, dtype, ("atomic",)),
+                                  dense(d, deterministic=False), _ATOMIC_CANDIDATES),
+              _registry.SweepCase("attention_fwd", config_key(d, dtype, ("gqa", "decode")), decoding(d),
+                                  _DECODE_CANDIDATES)]
     return cases
 
 
 def _shipped(pick):
     def shipped(key: str, device: torch.device, dtype: torch.dtype) -> dict:
-        return dict(zip(_CONFIG_FIELDS, pick(int(key.split("-d")[1]), dtype, device)))
+        d, variant = parse_key(key)
+        return dict(zip(_CONFIG_FIELDS, pick(d, dtype, device, variant)))
     return shipped
 
 
@@ -180,6 +225,18 @@ _BWD_CANDIDATES = (
     dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
     dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2), dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
     dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=3))
+_DQ_CANDIDATES = (
+    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2), dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
+    dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2))
+#: the atomic-dQ backward's dK/dV kernel at d 128: 64-query tiles put dS K on wgmma (sm_90 SASS: 8 warps x
+#: 64 keys spill 96 B; 8 warps x 32 keys are spill-free at 254 registers), the shipped 32-query tiles run it on mma
+_ATOMIC_CANDIDATES = (
+    dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2), dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2),
+    dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=2))
+#: split-KV decoding: key tiles and pipeline depth (the query tile is the group's queries)
+_DECODE_CANDIDATES = (
+    dict(BLOCK_N=128, num_warps=4, num_stages=3), dict(BLOCK_N=32, num_warps=4, num_stages=4),
+    dict(BLOCK_N=64, num_warps=8, num_stages=3), dict(BLOCK_N=128, num_warps=8, num_stages=2))
 _FIELDS = (*_CONFIG_FIELDS, "TMA")
 
 _registry.register(_registry.Op(
@@ -187,6 +244,7 @@ _registry.register(_registry.Op(
                                     "flash_attn_with_kvcache"),
     reference="tritonlm.modules.functional.scaled_dot_product_attention",
     tunables=(_registry.Tunable("attention_fwd", _FIELDS, _FWD_CANDIDATES, _shipped(_fwd_config)),
-              _registry.Tunable("attention_bwd", _FIELDS, _BWD_CANDIDATES, _shipped(_bwd_config))),
+              _registry.Tunable("attention_bwd", _FIELDS, _BWD_CANDIDATES, _shipped(_bwd_config)),
+              _registry.Tunable("attention_bwd_dq", _CONFIG_FIELDS, _DQ_CANDIDATES, _shipped(_bwd_dq_config))),
     sass_cases=_sass_cases, sweep_cases=_sweep_cases, bench_section="attention",
     notes=("tiled PyTorch twin: FlashAttentionTorch", "variants timed in the GPU suite's attention_variants")))

@@ -129,8 +129,26 @@ def override(kernel: str, **config):
         _OVERRIDES.reset(token)
 
 
+_LOOKUPS: contextvars.ContextVar[set | None] = contextvars.ContextVar("tritonlm_tuned_lookups", default=None)
+
+
+@contextlib.contextmanager
+def record_lookups():
+    """Inside the block, the ``(kernel, key)`` of every :func:`choose` call is added to the yielded set: how the
+    sweep checks that the key it writes a winner under is the one the launcher looks up for that case."""
+    seen: set = set()
+    token = _LOOKUPS.set(seen)
+    try:
+        yield seen
+    finally:
+        _LOOKUPS.reset(token)
+
+
 def choose(kernel: str, key: str, device: torch.device, shipped: dict) -> dict:
     """The configuration to launch ``kernel`` with for shape ``key`` on ``device`` (see the module docstring)."""
+    seen = _LOOKUPS.get()
+    if seen is not None:
+        seen.add((kernel, key))
     forced = (_OVERRIDES.get() or {}).get(kernel)
     if forced is not None:
         return {**shipped, **forced}
