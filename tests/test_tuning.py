@@ -415,3 +415,22 @@ def test_sweep_refuses_a_candidate_with_other_results(tmp_path, monkeypatch):
     result = sweep.run_sweep(torch.device("cpu"), tmp_path, smoke=True)
     errors = [r for r in result["rows"] if "error" in r]
     assert len(errors) == 1 and "wrong result" in errors[0]["error"] and result["entries"] == 0
+
+
+@cpu_only
+@pytest.mark.parametrize("fold", [0, 1])
+def test_forward_scale_in_the_exponent_or_first_agree_with_fp64(fold):
+    """FOLD_SCALE (shipped 1: the scale applied in the exponent's FMA after a max over raw products) and the
+    sweep's alternative 0 (scores scaled first): both exact, with masked tiles, GQA, a window and decoding splits."""
+    with tuned.override("attention_fwd", FOLD_SCALE=fold):
+        _compare(*_qkv(1, 4, 2, 70, 90, 16, torch.float32), True, torch.float32)
+        q, k = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 2100, 16)  # split-KV decoding (>= 2048 keys)
+        (q64, k64, _), ref = _sdpa64(q, k, k, True)
+        torch.testing.assert_close(flash_attention(q, k, k, True).double(), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.5, float("nan"), float("inf")])
+def test_attention_refuses_a_scale_that_is_not_positive(scale):
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="softmax_scale must be a finite number > 0"):
+        flash_attention(q, q, q, True, softmax_scale=scale)

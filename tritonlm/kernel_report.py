@@ -169,7 +169,7 @@ def _sass_counts(sass: str) -> dict:
     for op in ops:
         base = op.split(".")[0]
         if base in ("HGMMA", "HMMA", "LDGSTS", "UTMALDG", "UBLKCP", "LDL", "STL", "LDS", "STS", "FFMA", "REDG",
-                    "ATOMG", "RED", "ATOM", "MEMBAR"):
+                    "ATOMG", "RED", "ATOM", "MEMBAR", "FMUL", "FADD"):
             counts[base] += 1
             if base in ("HGMMA", "HMMA") and "TF32" in op.split("."):
                 counts["TF32"] += 1  # tensor-core MMAs on TF32 operands (10-bit mantissas): never on IEEE rows

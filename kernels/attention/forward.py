@@ -30,8 +30,10 @@ from .tiles import (
 def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
                key_start, key_end, n_k, shift, win_left, win_right, qk_scale, bt_row, page_size, softcap,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
-               EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGED: tl.constexpr, SOFTCAP: tl.constexpr):
-    """Fold key tiles ``[key_start, key_end)`` into the running (acc, m_i, l_i)."""
+               EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGED: tl.constexpr, SOFTCAP: tl.constexpr,
+               FOLD_SCALE: tl.constexpr):
+    """Fold key tiles ``[key_start, key_end)`` into the running (acc, m_i, l_i). ``FOLD_SCALE`` (never with
+    ``SOFTCAP``): the scale is applied in the exponent's FMA (:func:`_online_softmax_step`)."""
     # the tile's first row advances by BLOCK_N rows per step (64-bit, one row of pointers); rows within a tile are
     # loop-invariant 32-bit offsets: no 64-bit multiply per row and no 2-D pointer tensor held across steps
     # Row offsets are recomputed per tile rather than carried as pointers advanced by BLOCK_N rows: measured in
@@ -46,23 +48,38 @@ def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, o
             rows = keys
         k, v = _load_kv(k_ptrs + rows[:, None].to(tl.int64) * stride_kn, v_ptrs + rows[:, None].to(tl.int64) * stride_vn,
                         keys, n_k, d_mask, MASKED, EVEN_D)
-        # ---- scores in log2 units (the scale multiplies the fp32 scores: folding it into Q once measured worse in
-        # the SASS report, sm_90 d 128: 197 -> 235 registers, as Q then feeds the wgmma from registers)
-        # (with SOFTCAP the tanh-capped scores, :func:`.tiles._scores`)
-        s, _ = _scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale, softcap, SOFTCAP)
+        # ---- raw products q·kᵀ: the scale is applied inside the softmax step's exponent (one FMA per score);
+        # folding it into Q instead measured worse in the SASS report (sm_90 d 128: 197 -> 235 registers, as Q
+        # then feeds the wgmma from registers). With SOFTCAP: the tanh-capped scores, already in log2 units.
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if SOFTCAP:
+            s, _ = _scores(s, qk_scale, softcap, SOFTCAP)
+        elif not FOLD_SCALE:  # (the sweep's alternative: scores scaled first, then max and exponent)
+            s = s * qk_scale
         if MASKED:
             s = tl.where(_visible(offs_m, keys, n_k, shift, win_left, win_right, CAUSAL, WINDOW), s, float("-inf"))
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION=DOT_PRECISION)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, qk_scale, RAW=FOLD_SCALE,
+                                             DOT_PRECISION=DOT_PRECISION)
     return acc, m_i, l_i
 
 
 @triton.jit
-def _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION: tl.constexpr):
-    """Fold one tile of scores ``s`` (log2 units) and its values into the running (acc, m_i, l_i); a row that has
-    seen no key keeps m = -inf, so 0 is subtracted instead."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_safe[:, None])
+def _online_softmax_step(acc, m_i, l_i, s, v, qk_scale, RAW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold one tile of scores and its values into the running (acc, m_i, l_i), all in log2 units; a row that has
+    seen no key keeps m = -inf, so 0 is subtracted instead.
+
+    ``RAW``: ``s`` holds the raw products ``q·kᵀ`` (masked ones -inf) and ``qk_scale > 0`` (the launcher checks it)
+    scales them, so the row max is taken before scaling (one multiply per row) and each score costs one FMA,
+    ``s · qk_scale - m``, where scaling first costs a multiply and a subtract (the Triton tutorial's form; SASS
+    report: fewer FMUL). Otherwise ``s`` are already scores (the softcap's)."""
+    if RAW:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s * qk_scale - m_safe[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -78,7 +95,7 @@ def _fwd_kernel(
     softcap,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, SPLIT_KV: tl.constexpr,
     SEQUSED_K: tl.constexpr, PAGED: tl.constexpr, LEFTPAD: tl.constexpr, SOFTCAP: tl.constexpr,
-    PACK_GQA: tl.constexpr,
+    PACK_GQA: tl.constexpr, FOLD_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -91,6 +108,7 @@ def _fwd_kernel(
     # SOFTCAP: scores capped by softcap · tanh(s / softcap) (Gemma 2), qk_scale and softcap as in tiles._scores
     # PACK_GQA (few queries, GQA): grid axis 1 walks (batch, kv head) -- n_heads is the kv heads -- and the one
     # query tile holds every query of the group's query heads, so each K/V tile is read once for the whole group
+    # FOLD_SCALE: the softmax scale applied in the exponent's FMA, not to the scores first (a tuned-table field)
     pid_bh = tl.program_id(1) + bh_start
     b, h, q_start, n_q, k_start, n_k = _sequence(pid_bh, n_heads, CU_Q, CU_K, n_q, n_k, VARLEN)
     b_kv = b
@@ -156,15 +174,18 @@ def _fwd_kernel(
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
                                    key_lo, full_lo, n_k, shift, win_left, win_right, qk_scale, bt_row, page_size,
                                    softcap, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
-                                   DOT_PRECISION=DOT_PRECISION, PAGED=PAGED, SOFTCAP=SOFTCAP)
+                                   DOT_PRECISION=DOT_PRECISION, PAGED=PAGED, SOFTCAP=SOFTCAP,
+                                   FOLD_SCALE=FOLD_SCALE)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
                                full_lo, full_hi, n_k, shift, win_left, win_right, qk_scale, bt_row, page_size,
                                softcap, MASKED=False, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
-                               DOT_PRECISION=DOT_PRECISION, PAGED=PAGED, SOFTCAP=SOFTCAP)
+                               DOT_PRECISION=DOT_PRECISION, PAGED=PAGED, SOFTCAP=SOFTCAP,
+                                   FOLD_SCALE=FOLD_SCALE)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
                                full_hi, key_hi, n_k, shift, win_left, win_right, qk_scale, bt_row, page_size,
                                softcap, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
-                               DOT_PRECISION=DOT_PRECISION, PAGED=PAGED, SOFTCAP=SOFTCAP)
+                               DOT_PRECISION=DOT_PRECISION, PAGED=PAGED, SOFTCAP=SOFTCAP,
+                                   FOLD_SCALE=FOLD_SCALE)
 
     # ---- epilogue: normalise; rows without a visible key give 0 and L = -inf
     empty = l_i == 0.0
@@ -190,7 +211,7 @@ def _fwd_kernel_tma(
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
     n_batch, n_heads, n_kv_heads, group, n_q, n_k, d_head, qk_scale,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr,
 ):
     """The dense forward (no window, no packing) with Hopper tensor-memory-accelerator loads: each tile is one
     ``[1, 1, rows, BLOCK_D]`` box of a 4-D ``[batch, heads, seq, d]`` descriptor. The TMA unit zero-fills rows
@@ -215,11 +236,14 @@ def _fwd_kernel_tma(
     for start_n in range(full_lo, key_hi, BLOCK_N):
         k = _box(k_desc, b, h_kv, start_n, BLOCK_N, BLOCK_D)
         v = _box(v_desc, b, h_kv, start_n, BLOCK_N, BLOCK_D)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if not FOLD_SCALE:
+            s = s * qk_scale
         if start_n >= full_hi:
             keys = start_n + offs_n
             s = tl.where(_visible(offs_m, keys, n_k, shift, 0, 0, CAUSAL, False), s, float("-inf"))
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION=DOT_PRECISION)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, qk_scale, RAW=FOLD_SCALE,
+                                             DOT_PRECISION=DOT_PRECISION)
     # ---- epilogue: rows without a visible key give 0 and L = -inf; the store clips rows past n_q
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)

@@ -93,10 +93,29 @@ def _sass_cases(quick: bool) -> list[_registry.SassCase]:
         _registry.SassCase(gqa, lambda: flash_attention_backward(q, q, kv, kv, q, lse, True, 0.1),
                            (L("attention.gqa_bwd_dkdv", 1, 8 * flops),)),
     ]
-    # Gemma 2's attention logit softcap (tanh of every score, and 1 - tanh² in the backward), 16 heads
+    # the sweep's alternatives at d 128 (16 heads), as evidence beside the shipped rows: the forward with 128-key tiles
+    # and with the scores scaled first (FOLD_SCALE 0), the dQ kernel with 128-query tiles, and the atomic-dQ
+    # backward's dK/dV kernel with 64-query tiles (dS K on wgmma)
     q16 = torch.empty(1, 16, 4096, d, dtype=dtype, device=meta)
     lse16 = torch.empty(1, 16, 4096, dtype=torch.float32, device=meta)
     flops16 = 16 * _causal_pairs(4096) * d
+    plain = "1x16x4096x128 causal bf16"
+    fwd16 = lambda: flash_attention_forward(q16, q16, q16, True, 0.1)  # noqa: E731
+    bwd16 = lambda: flash_attention_backward(q16, q16, q16, q16, q16, lse16, True, 0.1)  # noqa: E731
+    atomic16 = lambda: flash_attention_backward(q16, q16, q16, q16, q16, lse16, True, 0.1, deterministic=False)  # noqa: E731
+    cases += [
+        _registry.SassCase(plain + " (BLOCK_N 128)", fwd16, (L("attention.fwd_n128", 0, 4 * flops16),),
+                           context=lambda: tuned.override("attention_fwd", BLOCK_N=128, num_stages=2)),
+        _registry.SassCase(plain + " (FOLD_SCALE 0)", fwd16, (L("attention.fwd_scaled_first", 0, 4 * flops16),),
+                           context=lambda: tuned.override("attention_fwd", FOLD_SCALE=0)),
+        _registry.SassCase(plain + " (dQ 128x64)", bwd16, (L("attention.bwd_dq_m128", 2, 6 * flops16),),
+                           context=lambda: tuned.override("attention_bwd_dq", BLOCK_M=128, BLOCK_N=64)),
+        _registry.SassCase(plain + " (64x32)", atomic16, (L("attention.bwd_dkdv_atomic_dq_m64n32", 1, 10 * flops16),),
+                           context=lambda: tuned.override("attention_bwd", BLOCK_M=64, BLOCK_N=32)),
+        _registry.SassCase(plain + " (64x64)", atomic16, (L("attention.bwd_dkdv_atomic_dq_m64n64", 1, 10 * flops16),),
+                           context=lambda: tuned.override("attention_bwd", BLOCK_M=64, BLOCK_N=64)),
+    ]
+    # Gemma 2's attention logit softcap (tanh of every score, and 1 - tanh² in the backward), 16 heads
     cases += [
         _registry.SassCase("1x16x4096x128 causal softcap 50 bf16",
                            lambda: flash_attention_forward(q16, q16, q16, True, 0.1, softcap=50.0),
@@ -215,6 +234,8 @@ def _shipped(pick):
 
 
 _FWD_CANDIDATES = (
+    # the scores scaled first (FOLD_SCALE 0) against the shipped scale-in-the-exponent FMA
+    dict(FOLD_SCALE=0),
     dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3), dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4),
     dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2), dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
     dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4), dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
@@ -238,12 +259,13 @@ _DECODE_CANDIDATES = (
     dict(BLOCK_N=128, num_warps=4, num_stages=3), dict(BLOCK_N=32, num_warps=4, num_stages=4),
     dict(BLOCK_N=64, num_warps=8, num_stages=3), dict(BLOCK_N=128, num_warps=8, num_stages=2))
 _FIELDS = (*_CONFIG_FIELDS, "TMA")
+_FWD_FIELDS = (*_FIELDS, "FOLD_SCALE")
 
 _registry.register(_registry.Op(
     name="attention", entry_points=("flash_attention", "FlashAttention", "flash_attn_func", "flash_attn_varlen_func",
                                     "flash_attn_with_kvcache"),
     reference="tritonlm.modules.functional.scaled_dot_product_attention",
-    tunables=(_registry.Tunable("attention_fwd", _FIELDS, _FWD_CANDIDATES, _shipped(_fwd_config)),
+    tunables=(_registry.Tunable("attention_fwd", _FWD_FIELDS, _FWD_CANDIDATES, _shipped(_fwd_config)),
               _registry.Tunable("attention_bwd", _FIELDS, _BWD_CANDIDATES, _shipped(_bwd_config)),
               _registry.Tunable("attention_bwd_dq", _CONFIG_FIELDS, _DQ_CANDIDATES, _shipped(_bwd_dq_config))),
     sass_cases=_sass_cases, sweep_cases=_sweep_cases, bench_section="attention",
