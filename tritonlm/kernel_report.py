@@ -94,8 +94,10 @@ def _to_launch(kernel_label: str, case: str, call, flops: int = 0) -> Launch:
     # (16-bit dots ignore the precision: shown for fp32 launches only)
     fp32 = bool(args) and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float32
     precision = kwargs.get("DOT_PRECISION") if fp32 else None
-    # each tensor once: a launcher may pass one tensor for two pointers (an unused optional input)
-    moved = sum(_nbytes(a) for a in {id(a): a for a in args if isinstance(a, torch.Tensor)}.values())
+    # each tensor once: a launcher may pass one tensor for two pointers (an unused optional input); a host-made
+    # TMA descriptor moves its tensor (its .base)
+    tensors = [getattr(a, "base", a) for a in args]
+    moved = sum(_nbytes(a) for a in {id(a): a for a in tensors if isinstance(a, torch.Tensor)}.values())
     return Launch(kernel_label, case, fn, tuple(args), kwargs, warps, stages, moved, flops, precision, fp_fusion)
 
 

@@ -18,7 +18,6 @@ import triton.language as tl
 from .tiles import (
     _box,
     _dense_query_program,
-    _desc,
     _key_ranges,
     _load_kv,
     _query_ranges,
@@ -286,29 +285,21 @@ def _bwd_dq_kernel(
 
 @triton.jit
 def _bwd_dkdv_kernel_tma(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
-    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lb, stride_lh,
-    n_batch, n_heads, n_kv_heads, group, n_q, n_k, d_head, qk_scale, sm_scale,
+    Q_DESC, K_DESC, V_DESC, DO_DESC, LSE, DELTA, DK_DESC, DV_DESC, stride_lb, stride_lh,
+    n_kv_heads, group, n_q, n_k, qk_scale, sm_scale,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """The dense dK/dV kernel with Hopper TMA descriptor loads (see :func:`_bwd_dkdv_kernel` for the math): one key
-    tile per program, its group's query heads and tiles in one flattened loop. Rows past a tensor's end load as
-    zeros (their L is +inf, so they add nothing) and stores clip them; only the causal diagonal masks P."""
+    """The dense dK/dV kernel with Hopper TMA loads through host-made descriptors (see :func:`_bwd_dkdv_kernel` for
+    the math): one key tile per program, its group's query heads and tiles in one flattened loop. Rows past a
+    tensor's end load as zeros (their L is +inf, so they add nothing) and stores clip them; only the causal diagonal
+    masks P."""
     pid_bh = tl.program_id(1)
     b = pid_bh // n_kv_heads
     h_kv = pid_bh % n_kv_heads
     start_n = tl.program_id(0) * BLOCK_N
-    q_desc = _desc(Q, n_batch, n_heads, n_q, d_head, stride_qb, stride_qh, stride_qm, BLOCK_M, BLOCK_D)
-    do_desc = _desc(DO, n_batch, n_heads, n_q, d_head, stride_dob, stride_doh, stride_dom, BLOCK_M, BLOCK_D)
-    k_desc = _desc(K, n_batch, n_kv_heads, n_k, d_head, stride_kb, stride_kh, stride_kn, BLOCK_N, BLOCK_D)
-    v_desc = _desc(V, n_batch, n_kv_heads, n_k, d_head, stride_vb, stride_vh, stride_vn, BLOCK_N, BLOCK_D)
-    dk_desc = _desc(DK, n_batch, n_kv_heads, n_k, d_head, stride_dkb, stride_dkh, stride_dkn, BLOCK_N, BLOCK_D)
-    dv_desc = _desc(DV, n_batch, n_kv_heads, n_k, d_head, stride_dvb, stride_dvh, stride_dvn, BLOCK_N, BLOCK_D)
-    k = _box(k_desc, b, h_kv, start_n, BLOCK_N, BLOCK_D)
-    v = _box(v_desc, b, h_kv, start_n, BLOCK_N, BLOCK_D)
+    k = _box(K_DESC, b, h_kv, start_n, BLOCK_N, BLOCK_D)
+    v = _box(V_DESC, b, h_kv, start_n, BLOCK_N, BLOCK_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -322,8 +313,8 @@ def _bwd_dkdv_kernel_tma(
         start_m = q_lo + (it % tiles) * BLOCK_M
         offs_m = start_m + tl.arange(0, BLOCK_M)
         # ---- load a query tile, its dO, L and D
-        q = _box(q_desc, b, h, start_m, BLOCK_M, BLOCK_D)
-        do = _box(do_desc, b, h, start_m, BLOCK_M, BLOCK_D)
+        q = _box(Q_DESC, b, h, start_m, BLOCK_M, BLOCK_D)
+        do = _box(DO_DESC, b, h, start_m, BLOCK_M, BLOCK_D)
         row = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh
         lse = _load_lse_log2(LSE + row, offs_m, n_q)
         delta = tl.load(DELTA + row + offs_m, mask=offs_m < n_q, other=0.0)
@@ -334,31 +325,23 @@ def _bwd_dkdv_kernel_tma(
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
         ds_t = p_t * (tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION) - delta[None, :])
         dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
-    dk_desc.store([b, h_kv, start_n, 0], tl.reshape((dk * sm_scale).to(DK.dtype.element_ty), (1, 1, BLOCK_N, BLOCK_D)))
-    dv_desc.store([b, h_kv, start_n, 0], tl.reshape(dv.to(DV.dtype.element_ty), (1, 1, BLOCK_N, BLOCK_D)))
+    DK_DESC.store([b, h_kv, start_n, 0], tl.reshape((dk * sm_scale).to(DK_DESC.dtype), (1, 1, BLOCK_N, BLOCK_D)))
+    DV_DESC.store([b, h_kv, start_n, 0], tl.reshape(dv.to(DV_DESC.dtype), (1, 1, BLOCK_N, BLOCK_D)))
 
 
 @triton.jit
 def _bwd_dq_kernel_tma(
-    Q, K, V, DO, LSE, DELTA, DQ,
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
-    stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh,
-    n_batch, n_heads, n_kv_heads, group, n_q, n_k, d_head, qk_scale, sm_scale,
+    Q_DESC, K_DESC, V_DESC, DO_DESC, LSE, DELTA, DQ_DESC, stride_lb, stride_lh, n_heads, group, n_q, n_k,
+    qk_scale, sm_scale,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """The dense dQ kernel with TMA descriptor loads (see :func:`_bwd_dq_kernel`): key tiles past the tensor load
-    as zeros and add nothing to dQ; the causal diagonal and the ragged last key tile are masked."""
+    """The dense dQ kernel with TMA loads through host-made descriptors (see :func:`_bwd_dq_kernel`): key tiles past
+    the tensor load as zeros and add nothing to dQ; the causal diagonal and the ragged last key tile are masked."""
     b, h, h_kv, start_m = _dense_query_program(n_heads, group, n_q, CAUSAL, BLOCK_M)
-    q_desc = _desc(Q, n_batch, n_heads, n_q, d_head, stride_qb, stride_qh, stride_qm, BLOCK_M, BLOCK_D)
-    do_desc = _desc(DO, n_batch, n_heads, n_q, d_head, stride_dob, stride_doh, stride_dom, BLOCK_M, BLOCK_D)
-    dq_desc = _desc(DQ, n_batch, n_heads, n_q, d_head, stride_dqb, stride_dqh, stride_dqm, BLOCK_M, BLOCK_D)
-    k_desc = _desc(K, n_batch, n_kv_heads, n_k, d_head, stride_kb, stride_kh, stride_kn, BLOCK_N, BLOCK_D)
-    v_desc = _desc(V, n_batch, n_kv_heads, n_k, d_head, stride_vb, stride_vh, stride_vn, BLOCK_N, BLOCK_D)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    q = _box(q_desc, b, h, start_m, BLOCK_M, BLOCK_D)
-    do = _box(do_desc, b, h, start_m, BLOCK_M, BLOCK_D)
+    q = _box(Q_DESC, b, h, start_m, BLOCK_M, BLOCK_D)
+    do = _box(DO_DESC, b, h, start_m, BLOCK_M, BLOCK_D)
     row = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh
     lse = _load_lse_log2(LSE + row, offs_m, n_q)
     delta = tl.load(DELTA + row + offs_m, mask=(offs_m >= 0) & (offs_m < n_q), other=0.0)
@@ -368,15 +351,15 @@ def _bwd_dq_kernel_tma(
     key_lo, full_lo, full_hi, key_hi = _key_ranges(start_m, n_q, n_k, unbounded, 0 if CAUSAL else unbounded,
                                                    BLOCK_M, BLOCK_N)
     for start_n in range(full_lo, key_hi, BLOCK_N):  # (no left bound: nothing before full_lo)
-        k = _box(k_desc, b, h_kv, start_n, BLOCK_N, BLOCK_D)
-        v = _box(v_desc, b, h_kv, start_n, BLOCK_N, BLOCK_D)
+        k = _box(K_DESC, b, h_kv, start_n, BLOCK_N, BLOCK_D)
+        v = _box(V_DESC, b, h_kv, start_n, BLOCK_N, BLOCK_D)
         p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse[:, None])
         if start_n >= full_hi:
             keys = start_n + tl.arange(0, BLOCK_N)
             p = tl.where(_visible(offs_m, keys, n_k, shift, 0, 0, CAUSAL, False), p, 0.0)
         ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
-    dq_desc.store([b, h, start_m, 0], tl.reshape((dq * sm_scale).to(DQ.dtype.element_ty), (1, 1, BLOCK_M, BLOCK_D)))
+    DQ_DESC.store([b, h, start_m, 0], tl.reshape((dq * sm_scale).to(DQ_DESC.dtype), (1, 1, BLOCK_M, BLOCK_D)))
 
 
 # ----------------------------------------------------------------------------------------------------

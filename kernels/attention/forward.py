@@ -16,7 +16,6 @@ import triton.language as tl
 from .tiles import (
     _box,
     _dense_query_program,
-    _desc,
     _key_ranges,
     _load_kv,
     _query_tile_start,
@@ -206,23 +205,16 @@ def _fwd_kernel(
 
 @triton.jit
 def _fwd_kernel_tma(
-    Q, K, V, O, LSE,
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
-    n_batch, n_heads, n_kv_heads, group, n_q, n_k, d_head, qk_scale,
+    Q_DESC, K_DESC, V_DESC, O_DESC, LSE, stride_lb, stride_lh, n_heads, group, n_q, n_k, qk_scale,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr,
 ):
     """The dense forward (no window, no packing) with Hopper tensor-memory-accelerator loads: each tile is one
-    ``[1, 1, rows, BLOCK_D]`` box of a 4-D ``[batch, heads, seq, d]`` descriptor. The TMA unit zero-fills rows
-    and columns outside the tensor, so no load needs a mask; only the causal diagonal masks scores."""
+    ``[1, 1, rows, BLOCK_D]`` box of a 4-D ``[batch, heads, seq, d]`` descriptor made on the host (no descriptor
+    construction or global scratch in the kernel). The TMA unit zero-fills rows and columns outside the tensor, so
+    no load needs a mask; only the causal diagonal masks scores."""
     b, h, h_kv, start_m = _dense_query_program(n_heads, group, n_q, CAUSAL, BLOCK_M)
-    # ---- descriptors over the whole tensors (shape, strides in elements, box shape)
-    q_desc = _desc(Q, n_batch, n_heads, n_q, d_head, stride_qb, stride_qh, stride_qm, BLOCK_M, BLOCK_D)
-    k_desc = _desc(K, n_batch, n_kv_heads, n_k, d_head, stride_kb, stride_kh, stride_kn, BLOCK_N, BLOCK_D)
-    v_desc = _desc(V, n_batch, n_kv_heads, n_k, d_head, stride_vb, stride_vh, stride_vn, BLOCK_N, BLOCK_D)
-    o_desc = _desc(O, n_batch, n_heads, n_q, d_head, stride_ob, stride_oh, stride_om, BLOCK_M, BLOCK_D)
-    q = _box(q_desc, b, h, start_m, BLOCK_M, BLOCK_D)
+    q = _box(Q_DESC, b, h, start_m, BLOCK_M, BLOCK_D)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -234,8 +226,8 @@ def _fwd_kernel_tma(
                                                    BLOCK_M, BLOCK_N)
     # ---- key tiles: the unmasked middle, then the masked diagonal / ragged tail (no left bound: no masked head)
     for start_n in range(full_lo, key_hi, BLOCK_N):
-        k = _box(k_desc, b, h_kv, start_n, BLOCK_N, BLOCK_D)
-        v = _box(v_desc, b, h_kv, start_n, BLOCK_N, BLOCK_D)
+        k = _box(K_DESC, b, h_kv, start_n, BLOCK_N, BLOCK_D)
+        v = _box(V_DESC, b, h_kv, start_n, BLOCK_N, BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if not FOLD_SCALE:
             s = s * qk_scale
@@ -248,7 +240,7 @@ def _fwd_kernel_tma(
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
-    o_desc.store([b, h, start_m, 0], tl.reshape(out.to(O.dtype.element_ty), (1, 1, BLOCK_M, BLOCK_D)))
+    O_DESC.store([b, h, start_m, 0], tl.reshape(out.to(O_DESC.dtype), (1, 1, BLOCK_M, BLOCK_D)))
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     tl.store(LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + offs_m, lse,
              mask=(offs_m >= 0) & (offs_m < n_q))

@@ -11,10 +11,10 @@ queries against a long cache go to :mod:`.decode`; the TMA kernels run only when
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import tuned
 from .._common import (
@@ -133,22 +133,11 @@ def _tma_ready(*views: torch.Tensor) -> bool:
                and all((st * t.element_size()) % 16 == 0 for st in t.stride()[:-1]) for t in views)
 
 
-_TMA_ALLOCATOR_SET = False
-
-
-def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    # the kernel runs on the current CUDA device (CPU under the interpreter, which emulates descriptors)
-    on_cuda = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-    return torch.empty(size, dtype=torch.int8, device="cuda" if on_cuda else "cpu")
-
-
-def _set_tma_allocator(device: torch.device) -> None:
-    """Descriptors made inside a kernel need a little global scratch memory, allocated through Triton's hook:
-    registered once per process, not on every launch."""
-    global _TMA_ALLOCATOR_SET
-    if not _TMA_ALLOCATOR_SET:
-        triton.set_allocator(_tma_scratch)
-        _TMA_ALLOCATOR_SET = True
+def _descriptor(t4: torch.Tensor, rows: int, block_d: int) -> TensorDescriptor:
+    """A host-made TMA descriptor over a ``[batch, heads, rows, d]`` tensor whose box is one ``[rows, block_d]`` tile
+    of one (batch, head): the kernels receive it as an argument, so they neither build descriptors nor need the
+    global scratch memory in-kernel construction takes."""
+    return TensorDescriptor(t4, list(t4.shape), list(t4.stride()), [1, 1, rows, block_d])
 
 
 def _fwd_config(d: int, dtype: torch.dtype, device: torch.device,
@@ -286,12 +275,12 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
             and b * h <= MAX_GRID_AXIS1 and _tma_ready(q4, k4, v4, o4)):
         # ---- Hopper TMA variant (chosen only by a tuned table / the sweep): dense attention, descriptor loads;
         # descriptors index whole tensors, so it runs as one launch (more batch x heads keep the default kernel)
-        _set_tma_allocator(q.device)
+        bd = _block_d(d)
         _fwd_kernel_tma[(triton.cdiv(n_q, block_m), b * h)](
-            q4, k4, v4, o4, lse, *_strides3(q4), *_strides3(k4), *_strides3(v4), *_strides3(o4), *lse_strides,
-            b, h, k4.shape[1], group, n_q, n_k, d, softmax_scale * LOG2E, CAUSAL=is_causal, BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_D=_block_d(d), FOLD_SCALE=common["FOLD_SCALE"], num_warps=warps,
-            num_stages=stages, **_dot_precision(q.dtype))
+            _descriptor(q4, block_m, bd), _descriptor(k4, block_n, bd), _descriptor(v4, block_n, bd),
+            _descriptor(o4, block_m, bd), lse, *lse_strides, h, group, n_q, n_k, softmax_scale * LOG2E,
+            CAUSAL=is_causal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=bd, FOLD_SCALE=common["FOLD_SCALE"],
+            num_warps=warps, num_stages=stages, **_dot_precision(q.dtype))
         return o, lse
     tile_rows = group * n_q if pack else n_q
     if tile_rows < block_m or pack:  # few queries (decoding against a short cache): a smaller query tile wastes
@@ -355,15 +344,17 @@ def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale
             and _tma_selected(d, q.dtype, q.device, "attention_bwd", variant)
             and b * max(h, h_kv) <= MAX_GRID_AXIS1 and _tma_ready(q4, k4, v4, do4, dq4, dk4, dv4)):
         # ---- Hopper TMA variant (chosen only by a tuned table / the sweep): descriptor loads, same math
-        _set_tma_allocator(q.device)
-        shapes = (b, h, h_kv, group, n_q, n_k, d, qk_scale, softmax_scale)
         tma = dict(CAUSAL=is_causal, BLOCK_D=block_d, **_dot_precision(q.dtype))  # (the TMA kernels never cap)
         _bwd_dkdv_kernel_tma[(triton.cdiv(n_k, block_n), b * h_kv)](
-            q4, k4, v4, do4, lse, delta, dk4, dv4, *q_s, *k_s, *v_s, *do_s, *_strides3(dk4), *_strides3(dv4),
-            *lse_strides, *shapes, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **tma)
+            _descriptor(q4, block_m, block_d), _descriptor(k4, block_n, block_d), _descriptor(v4, block_n, block_d),
+            _descriptor(do4, block_m, block_d), lse, delta, _descriptor(dk4, block_n, block_d),
+            _descriptor(dv4, block_n, block_d), *lse_strides, h_kv, group, n_q, n_k, qk_scale, softmax_scale,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **tma)
         _bwd_dq_kernel_tma[(triton.cdiv(n_q, dq_m), b * h)](
-            q4, k4, v4, do4, lse, delta, dq4, *q_s, *k_s, *v_s, *do_s, *_strides3(dq4), *lse_strides, *shapes,
-            BLOCK_M=dq_m, BLOCK_N=dq_n, num_warps=dq_warps, num_stages=dq_stages, **tma)
+            _descriptor(q4, dq_m, block_d), _descriptor(k4, dq_n, block_d), _descriptor(v4, dq_n, block_d),
+            _descriptor(do4, dq_m, block_d), lse, delta, _descriptor(dq4, dq_m, block_d), *lse_strides, h, group,
+            n_q, n_k, qk_scale, softmax_scale, BLOCK_M=dq_m, BLOCK_N=dq_n, num_warps=dq_warps,
+            num_stages=dq_stages, **tma)
         return dq, dk, dv
     # dK/dV: one program per (key tile, batch, kv head), summing its group of query heads (needs every D above);
     # non-deterministic variant: an fp32 dQ buffer laid out [b, h, rows, d] like q4 that the dK/dV kernel adds into

@@ -122,17 +122,10 @@ def _load_kv(k_tile, v_tile, keys, n_k, d_mask, MASKED: tl.constexpr, EVEN_D: tl
 
 
 @triton.jit
-def _desc(T, n_batch, n_heads, n_rows, d_head, stride_b, stride_h, stride_r, ROWS: tl.constexpr,
-          BLOCK_D: tl.constexpr):
-    """A TMA descriptor over a ``[batch, heads, rows, d]`` tensor (strides in elements, unit last stride) whose box is
-    one ``[ROWS, BLOCK_D]`` tile of one (batch, head); boxes past the tensor's edges read as zeros, stores clip."""
-    return tl.make_tensor_descriptor(T, [n_batch, n_heads, n_rows, d_head], [stride_b, stride_h, stride_r, 1],
-                                     [1, 1, ROWS, BLOCK_D])
-
-
-@triton.jit
 def _box(desc, b, h, row, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The ``[ROWS, BLOCK_D]`` tile of (batch ``b``, head ``h``) starting at ``row``."""
+    """The ``[ROWS, BLOCK_D]`` tile of (batch ``b``, head ``h``) starting at ``row``, from a host-made descriptor
+    over a ``[batch, heads, rows, d]`` tensor whose box is ``[1, 1, ROWS, BLOCK_D]`` (:func:`.launch._descriptor`);
+    boxes past the tensor's edges read as zeros, stores clip."""
     return tl.reshape(desc.load([b, h, row, 0]), (ROWS, BLOCK_D))
 
 
