@@ -16,6 +16,9 @@ Launch rule (:func:`_launch_config`): a row of up to ``MAX_FUSED_COLS`` elements
 ``MAX_FUSED_COLS_FWD``) is held in registers (``ROW_IN_REGISTERS``) and small rows are packed several per program
 so a tile holds ~4K elements; longer rows are walked in ``CHUNK_COLS``-wide chunks, twice (statistics, then
 output), the second pass served from L2. ``num_warps`` grows with the tile, one warp per 512 elements (16 values per thread per operand).
+The backward's grid-stride loop over row blocks is software-pipelined for 16-bit rows (``ROW_STAGES``, see
+:data:`BWD_ROW_STAGES`): with ~110 registers a thread only 2 CTAs fit on an SM, too few to hide a row's load
+latency, so the next block's x and dy are fetched by async copies while this block is computed.
 """
 
 from __future__ import annotations
@@ -44,6 +47,11 @@ MAX_FUSED_COLS = 8192   # widest row kept whole in registers (fp32: 8192 / (32 �
 MAX_FUSED_COLS_FWD = 16384
 CHUNK_COLS = 4096       # chunk width when a row is longer than that
 TILE_ELEMENTS = 4096    # rows packed per program for short rows: BLOCK_M × BLOCK_N ≈ this
+#: backward row blocks in flight per program (16-bit inputs; software pipelining of the x / dy loads). SASS report,
+#: sm_90 bf16: async copies (LDGSTS) replace the direct row loads at 99 -> 111 registers (768 wide), 108 -> 113
+#: (4096), 108 -> 118 (8192), resident CTAs unchanged. fp32 stays at 1: its 768-wide rows went 80 -> 103 registers,
+#: 3 -> 2 CTAs per SM. A tuned table may set ROW_STAGES per shape.
+BWD_ROW_STAGES = 2
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -161,7 +169,7 @@ def _rms_norm_bwd_kernel(
     DY, X, W, RSTD, DX, DW_PARTIAL, DH,
     stride_dy_row, stride_x_row, stride_dx_row, stride_dh_row, n_rows, n_cols, blocks_per_program,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_IN_REGISTERS: tl.constexpr, HAS_DH: tl.constexpr,
-    CAST_XHAT: tl.constexpr, W_OFFSET: tl.constexpr,
+    CAST_XHAT: tl.constexpr, W_OFFSET: tl.constexpr, ROW_STAGES: tl.constexpr,
 ):
     # HAS_DH (add_rms_norm): X holds h = x + residual, and dL/dh from h's other uses is added to dx
     # Grid-stride loop: program p handles row blocks p, p + P, p + 2P, ... and owns row p of DW_PARTIAL.
@@ -174,7 +182,9 @@ def _rms_norm_bwd_kernel(
         col_mask = cols < n_cols
         w = _offset(tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32), W_OFFSET)
         dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for i in range(0, blocks_per_program):
+        # ROW_STAGES > 1: the pipeliner issues the next row block's x and dy loads (async copies into shared memory)
+        # while this one is computed -- latency hiding that 2 resident CTAs per SM cannot give by themselves
+        for i in tl.range(0, blocks_per_program, num_stages=ROW_STAGES):
             rows = (pid + i * n_programs) * BLOCK_M + tl.arange(0, BLOCK_M)
             row_mask = rows < n_rows
             mask = row_mask[:, None] & col_mask[None, :]
@@ -246,9 +256,12 @@ def _launch_config(n_cols: int, dtype: torch.dtype | None = None, device: torch.
     # one warp per 512 elements of the tile, 4 to 16: 16 values per thread per operand keeps the
     # backward (x, dy and their fp32 products live at once) far from the register limit
     num_warps = max(4, min(16, block_m * block_n // 512))
-    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, ROW_IN_REGISTERS=n_cols <= limit, num_warps=num_warps)
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, ROW_IN_REGISTERS=n_cols <= limit, num_warps=num_warps,
+               ROW_STAGES=BWD_ROW_STAGES if dtype in (torch.float16, torch.bfloat16) else 1)
     if cfg["ROW_IN_REGISTERS"] and device is not None:
         cfg = tuned.choose("rms_norm", f"{tuned.dtype_name(dtype)}-n{block_n}", device, cfg)
+    if forward:  # (the backward's row pipeline depth; the forward has no row loop)
+        cfg = {k: v for k, v in cfg.items() if k != "ROW_STAGES"}
     return cfg
 
 
@@ -513,7 +526,7 @@ def _sweep_cases(device: torch.device, smoke: bool) -> list[_registry.SweepCase]
             return run
 
         block_n = next_pow2(n_cols)
-        fitting = tuple(c for c in _SWEEP_CANDIDATES if c["BLOCK_M"] * block_n <= 16384)
+        fitting = tuple(c for c in _SWEEP_CANDIDATES if c.get("BLOCK_M", 1) * block_n <= 16384)
         cases.append(_registry.SweepCase("rms_norm", f"{tuned.dtype_name(dtype)}-n{block_n}", step, fitting))
     return cases
 
@@ -556,14 +569,16 @@ def _add_bench_case(rows: int, hidden: int, device: torch.device, dtype: torch.d
 
 #: Sweep alternatives to the shipped rows-per-program and warps (rows held in registers).
 _SWEEP_CANDIDATES = (dict(BLOCK_M=1, num_warps=4), dict(BLOCK_M=1, num_warps=8), dict(BLOCK_M=2, num_warps=8),
-                     dict(BLOCK_M=4, num_warps=8), dict(BLOCK_M=4, num_warps=16))
+                     dict(BLOCK_M=4, num_warps=8), dict(BLOCK_M=4, num_warps=16),
+                     # the backward's row pipeline: off, and one block deeper
+                     dict(ROW_STAGES=1), dict(ROW_STAGES=3))
 
 _registry.register(_registry.Op(
     name="rmsnorm", entry_points=("rms_norm", "RMSNormFunction"), reference="tritonlm.modules.reference.RMSNorm",
     tunables=(_registry.Tunable(
-        "rms_norm", ("BLOCK_M", "num_warps"), _SWEEP_CANDIDATES,
-        lambda key, device, dtype: {k: v for k, v in _launch_config(int(key.split("-n")[1])).items()
-                                    if k in ("BLOCK_M", "num_warps")}),),
+        "rms_norm", ("BLOCK_M", "num_warps", "ROW_STAGES"), _SWEEP_CANDIDATES,
+        lambda key, device, dtype: {k: v for k, v in _launch_config(int(key.split("-n")[1]), dtype).items()
+                                    if k in ("BLOCK_M", "num_warps", "ROW_STAGES")}),),
     sass_cases=_sass_cases, sweep_cases=_sweep_cases, bench_case=_bench_case))
 _registry.register(_registry.Op(
     name="add_rmsnorm", entry_points=("add_rms_norm", "AddRMSNormFunction"),

@@ -78,6 +78,13 @@ def test_forward_folds_the_scale_into_the_exponent(rows, arch):
     assert shipped["registers"] <= scaled_first["registers"] + 4 and not shipped["spill_bytes"]
 
 
+def test_rms_norm_backward_pipelines_its_rows(rows):
+    """16-bit RMSNorm backward rows arrive through 128-bit async copies (the row loop is software-pipelined)."""
+    for arch in ("sm_90", "sm_80"):
+        bwd = [r for r in _by(rows, arch, "rmsnorm.bwd") + _by(rows, arch, "add_rmsnorm.bwd") if "bfloat16" in r["case"]]
+        assert bwd and all(r["sass"].get("LDGSTS.128", 0) > 0 and not r["spill_bytes"] for r in bwd), bwd
+
+
 def test_atomic_dq_64_row_candidate_is_spill_free_on_wgmma(rows):
     """The atomic-dQ backward's 64x32 sweep candidate: spill-free on sm_90 with dS K on wgmma (HGMMA), where the
     shipped 32-query tiles have no 64-row dQ product."""
@@ -90,7 +97,8 @@ def test_elementwise_loads_are_vectorised(rows, arch):
     for r in rows:
         if r["arch"] != arch or r["kernel"].startswith(("attention", "moe")):  # (matmul kernels: async copies)
             continue
-        assert r["sass"].get("LDG.128", 0) > 0, r
+        # 128-bit loads, direct or as a pipelined loop's async copies (RMSNorm backward's rows)
+        assert r["sass"].get("LDG.128", 0) + r["sass"].get("LDGSTS.128", 0) > 0, r
         if r["kernel"] == "cross_entropy.fwd+grad":
             # whole vocab tiles load 128-bit vectors; the ragged last tile of an odd vocab (50257) cannot, and
             # its masked 16-bit loads are all there is besides: fewer of them than one tile's worth of lanes

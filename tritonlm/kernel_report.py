@@ -175,6 +175,8 @@ def _sass_counts(sass: str) -> dict:
             counts[base] += 1
             if base in ("HGMMA", "HMMA") and "TF32" in op.split("."):
                 counts["TF32"] += 1  # tensor-core MMAs on TF32 operands (10-bit mantissas): never on IEEE rows
+            if base == "LDGSTS" and "128" in op.split("."):
+                counts["LDGSTS.128"] += 1  # 128-bit async copies (a pipelined loop's vectorised loads)
         elif base in ("LDG", "STG"):
             parts = op.split(".")
             width = "32"
