@@ -62,50 +62,70 @@ def _mismatch(got, expected, dtype) -> str | None:
     return None
 
 
+def _run_candidate(case: dict, cand, device, dtype, smoke: bool) -> dict | None:
+    """Check and time one candidate of a case (``None``: the shipped launch); returns an error row or None."""
+    kernel, key = case["kernel"], case["key"]
+    label = "shipped" if cand is None else json.dumps(cand, separators=(",", ":"))
+    try:
+        ctx = tuned.override(kernel, **cand) if cand else contextlib.nullcontext()
+        with ctx, tuned.record_lookups() as looked_up:
+            torch.manual_seed(0)  # every candidate runs on the same inputs
+            step = case["make_step"]()
+            result = step()
+            if (kernel, key) not in looked_up:  # a winner under this key would never be read
+                seen = sorted(k for name, k in looked_up if name == kernel)
+                case["dead"] = True
+                return {"kernel": kernel, "key": key, "config": label,
+                        "error": f"wrong key: the launcher looked up {kernel} under {seen}, not {key!r}"}
+            if cand is None:
+                case["reference"] = result
+            elif case["reference"] is None:
+                return {"kernel": kernel, "key": key, "config": label, "error": "no shipped result to compare with"}
+            wrong = None if cand is None else _mismatch(result, case["reference"], dtype)
+            if wrong:  # a candidate may only win with the shipped launch's results
+                return {"kernel": kernel, "key": key, "config": label, "error": wrong}
+            # (smoke: one timed run after the checked one, the paths exercised, not a measurement)
+            ms = 1e3 * statistics.median(time_device(step, device, warmup=0 if smoke else 3,
+                                                     min_rounds=1 if smoke else 10,
+                                                     max_rounds=1 if smoke else 500))
+    except Exception as e:  # out of resources at compile time, or a launch error
+        if cand is None:
+            case["dead"] = True  # (the shipped launch itself failed: nothing to compare with)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"kernel": kernel, "key": key, "config": label, "error": repr(e)[:160]}
+    case["timings"].append((ms, cand, label))
+    return None
+
+
 def run_sweep(device, out: Path, smoke: bool = False, time_left=lambda: 1e9) -> dict:
-    """Time every case's candidates; write ``out/tuned/<gpu>.json`` with the winners; return the report rows."""
+    """Time every case's candidates; write ``out/tuned/<gpu>.json`` with the winners; return the report rows.
+
+    Candidates run in rounds across the cases (every case's shipped launch, then every case's first alternative,
+    ...), so a suite that runs out of time has still timed every kernel variant, not a few of them in depth."""
     dtype = torch.float32 if smoke else torch.bfloat16
     rows, table = [], {}
-    for kernel, key, make_step, alternatives in _cases(device, smoke):
-        if time_left() < 30:
-            rows.append({"kernel": kernel, "key": key, "error": "skipped: suite time budget"})
+    cases = [dict(kernel=kernel, key=key, make_step=make_step, dead=False, reference=None, timings=[],
+                  candidates=[None] + (alternatives[:2] if smoke else list(alternatives)))
+             for kernel, key, make_step, alternatives in _cases(device, smoke)]
+    for round_ in range(max((len(c["candidates"]) for c in cases), default=0)):
+        for case in cases:
+            if case["dead"] or round_ >= len(case["candidates"]):
+                continue
+            if time_left() < 20:
+                case["skipped"] = True
+                continue
+            error = _run_candidate(case, case["candidates"][round_], device, dtype, smoke)
+            if error:
+                rows.append(error)
+    for case in cases:
+        kernel, key, timings = case["kernel"], case["key"], case["timings"]
+        if case.get("skipped"):
+            rows.append({"kernel": kernel, "key": key, "error": "skipped: suite time budget "
+                         f"({len(timings)} of {len(case['candidates'])} configurations timed)"})
+        if not timings or case["reference"] is None:  # (no shipped time: nothing to compare with)
             continue
         shipped = _shipped(kernel, key, device, dtype)
-        candidates = [None] + (alternatives[:2] if smoke else alternatives)
-        timings, reference = [], None
-        for cand in candidates:
-            if time_left() < 20:
-                break
-            label = "shipped" if cand is None else json.dumps(cand, separators=(",", ":"))
-            try:
-                ctx = tuned.override(kernel, **cand) if cand else contextlib.nullcontext()
-                with ctx, tuned.record_lookups() as looked_up:
-                    torch.manual_seed(0)  # every candidate runs on the same inputs
-                    step = make_step()
-                    result = step()
-                    if (kernel, key) not in looked_up:  # a winner under this key would never be read
-                        seen = sorted(k for name, k in looked_up if name == kernel)
-                        rows.append({"kernel": kernel, "key": key, "config": label,
-                                     "error": f"wrong key: the launcher looked up {kernel} under {seen}, not {key!r}"})
-                        break
-                    if cand is None:
-                        reference = result
-                    wrong = None if reference is None else _mismatch(result, reference, dtype)
-                    if wrong:  # a candidate may only win with the shipped launch's results
-                        rows.append({"kernel": kernel, "key": key, "config": label, "error": wrong})
-                        continue
-                    # (smoke: one timed run after the checked one, the paths exercised, not a measurement)
-                    ms = 1e3 * statistics.median(time_device(step, device, warmup=0 if smoke else 3,
-                                                             min_rounds=1 if smoke else 10,
-                                                             max_rounds=1 if smoke else 500))
-            except Exception as e:  # out of resources at compile time, or a launch error
-                rows.append({"kernel": kernel, "key": key, "config": label, "error": repr(e)[:160]})
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                continue
-            timings.append((ms, cand, label))
-        if not timings or reference is None:  # (no shipped time: nothing to compare with)
-            continue
         base = next(ms for ms, cand, _ in timings if cand is None)
         best_ms, best_cand, best_label = min(timings, key=lambda t: t[0])
         for ms, cand, label in timings:

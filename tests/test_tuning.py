@@ -433,3 +433,53 @@ def test_attention_refuses_a_scale_that_is_not_positive(scale):
     q = torch.randn(1, 2, 8, 16)
     with pytest.raises(ValueError, match="softmax_scale must be a finite number > 0"):
         flash_attention(q, q, q, True, softmax_scale=scale)
+
+
+@cpu_only
+@pytest.mark.parametrize("stages", [1, 3])
+def test_rms_norm_backward_row_pipeline_depths_agree_with_fp64(stages):
+    """The backward's ROW_STAGES (shipped 2 for 16-bit rows; the sweep tries 1 and 3) over several row blocks per
+    program: the same dx and dweight as F.rms_norm in fp64."""
+    x = torch.randn(300, 768).to(torch.bfloat16).requires_grad_()
+    w = (1 + torch.randn(768) / 4).to(torch.bfloat16).requires_grad_()
+    grad = torch.randn(300, 768).to(torch.bfloat16)
+    with tuned.override("rms_norm", ROW_STAGES=stages):
+        rms_norm(x, w, 1e-5).backward(grad)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    F.rms_norm(x64, (768,), w64, 1e-5).backward(grad.double())
+    torch.testing.assert_close(x.grad.double(), x64.grad, **tolerance(torch.bfloat16))
+    torch.testing.assert_close(w.grad.double(), w64.grad, atol=0.5, rtol=2e-2)
+
+
+@cpu_only
+def test_sweep_times_every_case_before_any_alternative(tmp_path, monkeypatch):
+    """Candidates run in rounds across cases: with time for only three runs, each of three cases has its shipped
+    launch timed (and the alternatives are reported as skipped), rather than one case timed in depth."""
+    sweep = _sweep_module(monkeypatch)
+    runs = []
+
+    def make_case(key):
+        def make_step():
+            x = torch.randn(4)
+
+            def step():
+                tuned.choose("swiglu", key, torch.device("cpu"), {})
+                runs.append(key)
+                return x
+            return step
+        return ("swiglu", key, make_step, [dict(BLOCK=256), dict(BLOCK=512)])
+
+    monkeypatch.setattr(sweep, "_cases", lambda device, smoke: [make_case(k) for k in ("fp32", "fp16", "bf16")])
+    started = []
+
+    def time_left():  # enough for the three shipped launches only
+        return 100.0 if len(started) < 3 else 0.0
+
+    real = sweep._run_candidate
+    monkeypatch.setattr(sweep, "_run_candidate", lambda case, *a: started.append(case["key"]) or real(case, *a))
+    result = sweep.run_sweep(torch.device("cpu"), tmp_path, smoke=True, time_left=time_left)
+    timed = [r for r in result["rows"] if "ms" in r]
+    assert started == ["fp32", "fp16", "bf16"] and {r["key"] for r in timed} == {"fp32", "fp16", "bf16"}
+    assert all(r["config"] == "shipped" for r in timed)
+    skipped = [r for r in result["rows"] if "skipped" in r.get("error", "")]
+    assert len(skipped) == 3 and all("1 of 3 configurations timed" in r["error"] for r in skipped)
