@@ -24,12 +24,12 @@ Tile sizes and warps (:func:`_fwd_config`, :func:`_bwd_config`) are a table by h
 chosen so the sm_90/sm_80 builds use tensor cores without spilling (``tritonlm kernels --report``
 prints the evidence); causal query tiles are scheduled longest-first (the last query tiles see the most
 keys) so the tail of the grid is short tiles. A tuned table measured on a GPU (``kernels/tuned``) may replace
-them per GPU, dtype and head dim.
+them per GPU, dtype, head dim and kernel variant (``bf16-d128-gqa``: :func:`.launch.config_key`).
 
 Variants, chosen explicitly: ``deterministic=False`` adds dQ with fp32 atomics inside the dK/dV kernel (no dQ
 kernel: 5 matmuls per tile pair instead of 7); ``_fwd_kernel_tma`` and ``_bwd_*_kernel_tma``, the dense forward and
-backward with Hopper TMA descriptor loads, run only when a tuned table (or the suite's sweep) asks for them
-(``"TMA": 1``).
+backward with Hopper TMA loads through host-made descriptors, run only when a tuned table (or the suite's sweep) asks
+for them (``"TMA": 1``).
 
 
 Files, by phase (as flash-attention's own ``flash_attn/cute/``): :mod:`.tiles` (shared ``@jit`` tile

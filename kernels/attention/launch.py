@@ -1,11 +1,13 @@
 """Attention launch: tile tables, the launchers of the forward and backward kernels, the custom ops
 (opaque to ``torch.compile``) and the autograd Function.
 
-Tile sizes and warps (:func:`_fwd_config`, :func:`_bwd_config`) are a table by head dim and dtype, chosen so the
-sm_90/sm_80 builds use tensor cores without spilling (``tritonlm kernels --report`` prints the evidence); causal
-query tiles are scheduled longest-first (the last query tiles see the most keys) so the tail of the grid is short
-tiles. A tuned table measured on a GPU (``kernels/tuned``) may replace them per GPU, dtype and head dim. Few
-queries against a long cache go to :mod:`.decode`; the TMA kernels run only when a tuned table asks for them.
+Tile sizes and warps (:func:`_fwd_config`, :func:`_bwd_config` for dK/dV, :func:`_bwd_dq_config` for dQ) are a table
+by head dim and dtype, adjusted per kernel variant (:data:`VARIANTS`), chosen so the sm_90/sm_80 builds use tensor
+cores without spilling (``tritonlm kernels --report`` prints the evidence); causal query tiles are scheduled
+longest-first (the last query tiles see the most keys) so the tail of the grid is short tiles. A tuned table measured
+on a GPU (``kernels/tuned``) may replace them per GPU, dtype, head dim and variant (:func:`config_key`). Few queries
+against a long cache go to :mod:`.decode`; the TMA kernels (host-made descriptors) run only when a tuned table asks
+for them.
 """
 
 from __future__ import annotations
