@@ -126,7 +126,7 @@ def linear_cross_entropy_forward(hidden: torch.Tensor, weight: torch.Tensor, tar
     # one chunk buffer, rows padded to a multiple of 16 elements so that every row starts 16-byte aligned
     # and the loss kernel's loads vectorise (GPT-2's 50257 columns would not)
     padded = triton.cdiv(n_vocab, 16) * 16
-    element_size = torch.empty((), dtype=compute_dtype).element_size()
+    element_size = torch.finfo(compute_dtype).bits // 8
     buffer = torch.empty(chunk_rows(n_rows, n_vocab, element_size), padded, dtype=compute_dtype,
                          device=hidden.device)
     with autocast_off:

@@ -439,7 +439,8 @@ def test_attention_refuses_a_scale_that_is_not_positive(scale):
 @pytest.mark.parametrize("stages", [1, 3])
 def test_rms_norm_backward_row_pipeline_depths_agree_with_fp64(stages):
     """The backward's ROW_STAGES (shipped 2 for 16-bit rows; the sweep tries 1 and 3) over several row blocks per
-    program: the same dx and dweight as F.rms_norm in fp64."""
+    program: the same dx and dweight as F.rms_norm in fp64. (The interpreter runs the loop unpipelined, so on CPU
+    this checks the launch path each depth takes; the pipelined SASS itself is checked in test_kernel_sass.py.)"""
     x = torch.randn(300, 768).to(torch.bfloat16).requires_grad_()
     w = (1 + torch.randn(768) / 4).to(torch.bfloat16).requires_grad_()
     grad = torch.randn(300, 768).to(torch.bfloat16)

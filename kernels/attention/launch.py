@@ -60,11 +60,11 @@ FWD_CONFIGS = {16: (128, 64, 4, 3), 32: (128, 64, 4, 3), 64: (128, 64, 4, 3), 12
 #: 64x16 tiles (sm_90 222 registers, sm_80 128). At d 128 every tile tried spills on sm_90 (16x32: 184 B, the
 #: least; 32x32: 408 B; 64x32: 7 KB) and none on sm_80 -- "high" (TF32) is the fast fp32 setting there.
 IEEE_FWD_CONFIGS = {16: (64, 16, 4, 2), 32: (64, 16, 4, 2), 64: (64, 16, 4, 2), 128: (16, 32, 4, 2)}
-#: (BLOCK_M, BLOCK_N, num_warps, num_stages) for both backward kernels: the dK/dV kernel holds
-#: K, V, dK, dV for BLOCK_N keys, the dQ kernel Q, dO, dQ for BLOCK_M queries.
-#: Evidence (profiles/sass/REPORT.md, bf16, seq 4096): d 64 -> fwd 231 regs sm_90 (HGMMA) / 255 sm_80 (HMMA),
-#: dK/dV 233 / 255, dQ 150 / 255, no spills; d 128 with 8 warps -> fwd 188 / 214, dK/dV 249 / 255, dQ 180 /
-#: 177, no spills. d 256: 64-row wgmma tiles spill heavily in the backward (hundreds of LDL/STL), so it keeps
+#: (BLOCK_M, BLOCK_N, num_warps, num_stages) shipped for both backward kernels (each a tunable of its own: the
+#: dK/dV kernel holds K, V, dK, dV for BLOCK_N keys, the dQ kernel Q, dO, dQ for BLOCK_M queries).
+#: Evidence (profiles/sass/REPORT.md, bf16, seq 4096, sm_90 (HGMMA) / sm_80 (HMMA)): d 64 -> fwd 255 / 255,
+#: dK/dV 225 / 181, dQ 166 / 124 (sm_80 with 32-row tiles), no spills; d 128 with 8 warps -> fwd 197 / 218,
+#: dK/dV 243 / 244, dQ 174 / 173, no spills. d 256: 64-row wgmma tiles spill heavily in the backward (hundreds of LDL/STL), so it keeps
 #: 32-row tiles, spill-free, on mma (HMMA) even on sm_90.
 BWD_CONFIGS = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 2), 128: (64, 64, 8, 2),
                256: (32, 32, 8, 1)}
@@ -256,9 +256,11 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
     # the tuned-table key names the variant this launch compiles to (config_key)
     variant = _variant(gqa=group > 1, varlen=packed, window=common["WINDOW"], softcap=bool(softcap))
     common["FOLD_SCALE"] = not softcap and _fold_scale(d, q.dtype, q.device, variant)
+    few_queries = not (num_splits == 1 or packed or n_q > decode.DECODE_MAX_QUERIES)
+    # (the split kernel's tiles, looked up only where a split is possible: its own "-decode" key)
     split_config = _tuned("attention_fwd", d, q.dtype, q.device, decode.DECODE_CONFIG if on_gpu(q.device)
-                          else decode.DECODE_INTERPRETER_CONFIG, variant + ("decode",))
-    if num_splits == 1 or packed or n_q > decode.DECODE_MAX_QUERIES:
+                          else decode.DECODE_INTERPRETER_CONFIG, variant + ("decode",)) if few_queries else None
+    if not few_queries:
         splits = 1
     elif num_splits > 1:
         splits = min(num_splits, triton.cdiv(n_k, 16))

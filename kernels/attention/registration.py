@@ -156,7 +156,7 @@ def _sass_cases(quick: bool) -> list[_registry.SassCase]:
 
 
 def _sweep_cases(device: torch.device, smoke: bool) -> list[_registry.SweepCase]:
-    """Causal ``[4, 16, 4096, d]`` at d 64 and 128 (smoke: ``[1, 2, 64, 16]``): the forward, the dK/dV kernel and the
+    """Causal ``[4, 16, 4096, d]`` at d 64 and 128 (smoke: ``[1, 4, 64, 16]``): the forward, the dK/dV kernel and the
     dQ kernel, each timed through forward + backward with its own candidates (the Hopper TMA kernels compete on
     sm_90+ and in the smoke run). Then each variant at d 128 under its own key (:func:`.launch.config_key`): GQA
     (4 query heads per kv head), packed documents (4 per sequence), a sliding window (1/4 of the sequence), the
