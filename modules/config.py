@@ -97,6 +97,18 @@ class ModelConfig:
     sliding_layers: tuple | None = None  # the layers with the window (None: every layer, when sliding_window is set)
     local_rope_theta: float | None = None  # RoPE base of the sliding layers, which take no rope_scaling (Gemma 3)
     partial_rotary: float | None = None  # RoPE on this fraction of each head's features, the first ones (Phi-3)
+    nope_layers: tuple | None = None  # layers whose attention applies no RoPE at all (SmolLM3's NoPE layers)
+    attn_out_bias: bool = False  # a bias on the attention output projection (ERNIE 4.5, Seed-OSS)
+    mlp_bias: bool = False  # biases on the dense FFN's three projections (ERNIE 4.5)
+    residual_scale: float | None = None  # each branch's output times this before its residual add (Granite)
+    logits_divisor: float | None = None  # the logits are divided by this, in the loss too (Granite's logits_scaling)
+    # the dropout probability the checkpoint was trained with (Seed-OSS: 0.1). The kernels have no dropout: eval
+    # and generation are exact, a forward in training mode with dropout > 0 is an error (replace it with 0.0 to
+    # fine-tune without dropout)
+    dropout: float = 0.0
+    # the Hugging Face model_type this model was loaded as (tritonlm.hf): save_pretrained writes that family
+    # (None: a model built here, saved as the registry's default family, Llama)
+    model_type: str | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
@@ -138,6 +150,7 @@ class ModelConfig:
             check_rope_scaling(self.rope_scaling)
         self._check_moe()
         self._check_gemma2()
+        self._check_granite()
         for name, allowed in (("norm", NORMS), ("ffn", FFNS), ("position", POSITIONS),
                               ("norm_position", NORM_POSITIONS)):
             if getattr(self, name) not in allowed:
@@ -203,6 +216,34 @@ class ModelConfig:
                                  f"{self.rotary_dim} rotated features: it must be a positive even number")
         if self.local_rope_theta is not None and (self.position != "rope" or self.sliding_window is None):
             raise ValueError("ModelConfig.local_rope_theta needs position='rope' and sliding_window")
+
+    def _check_granite(self) -> None:
+        for name in ("attn_out_bias", "mlp_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.mlp_bias and self.ffn not in ("swiglu", "geglu"):
+            raise ValueError(f"ModelConfig.mlp_bias needs a gated FFN (swiglu or geglu), got ffn={self.ffn!r}")
+        for name in ("residual_scale", "logits_divisor"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 < value < float("inf")):
+                raise ValueError(f"ModelConfig.{name} must be a positive number or None, got {value!r}")
+        if self.residual_scale is not None and self.norm_position != "pre":
+            raise ValueError("ModelConfig.residual_scale needs norm_position='pre'")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ValueError(f"ModelConfig.dropout must be a probability in [0, 1), got {self.dropout!r}")
+        if self.nope_layers is not None:
+            object.__setattr__(self, "nope_layers", tuple(self.nope_layers))  # (JSON gives lists back)
+            if self.position != "rope" or not all(isinstance(i, int) and 0 <= i < self.num_layers
+                                                  for i in self.nope_layers):
+                raise ValueError(f"ModelConfig.nope_layers must be layer indices in [0, {self.num_layers}) with "
+                                 f"position='rope', got {self.nope_layers!r}")
+        if self.model_type is not None and not isinstance(self.model_type, str):
+            raise ValueError(f"ModelConfig.model_type must be a string or None, got {self.model_type!r}")
+
+    def layer_has_rope(self, index: int) -> bool:
+        """Whether layer ``index``'s attention rotates its queries and keys (RoPE, not one of ``nope_layers``)."""
+        return self.position == "rope" and (self.nope_layers is None or index not in self.nope_layers)
 
     def layer_window(self, index: int) -> int | None:
         """Layer ``index``'s sliding window (None: causal attention over the whole context)."""

@@ -72,10 +72,11 @@ def _make_ffn(kind: str, comps, d_model: int, d_ff: int, device, dtype, config: 
     if config is not None and config.is_moe_layer(layer_idx):
         return comps.MoEFFN(d_model, config.expert_d_ff, config.num_experts, config.experts_per_token,
                             config.norm_topk_prob, config.shared_expert_d_ff, device=device, dtype=dtype)
+    bias = config is not None and config.mlp_bias
     if kind == "swiglu":
-        return comps.SwiGLU(d_model, d_ff, device=device, dtype=dtype)
+        return comps.SwiGLU(d_model, d_ff, device=device, dtype=dtype, bias=bias)
     if kind == "geglu":
-        return comps.GeGLU(d_model, d_ff, device=device, dtype=dtype)
+        return comps.GeGLU(d_model, d_ff, device=device, dtype=dtype, bias=bias)
     if kind == "relu":
         return comps.ReLUFFN(d_model, d_ff, device=device, dtype=dtype)
     if kind == "silu":
@@ -121,7 +122,8 @@ class TransformerBlock(nn.Module):
         comps = components(self.backend)
         self.norm_position = config.norm_position
         theta, rope_scaling = config.layer_rope(layer_idx)
-        if config.position != "rope":
+        rotary = config.layer_has_rope(layer_idx)  # (NoPE layers: no RoPE in this layer's attention)
+        if not rotary:
             theta = None
         self.ln1 = _make_norm(config.norm, comps, config.d_model, device, dtype, config.norm_eps, config.norm_offset)
         self.attn = comps.MultiHeadSelfAttention(config.d_model, config.num_heads, config.context_length, theta,
@@ -131,9 +133,11 @@ class TransformerBlock(nn.Module):
                                                  norm_eps=config.norm_eps, norm_offset=config.norm_offset,
                                                  softmax_scale=config.query_scale, softcap=config.attn_softcap,
                                                  window=config.layer_window(layer_idx),
-                                                 rotary_dim=config.rotary_dim if config.position == "rope" else None)
+                                                 rotary_dim=config.rotary_dim if rotary else None,
+                                                 out_bias=config.attn_out_bias)
         self.ln2 = _make_norm(config.norm, comps, config.d_model, device, dtype, config.norm_eps, config.norm_offset)
         self.ffn = _make_ffn(config.ffn, comps, config.d_model, config.d_ff, device, dtype, config, layer_idx)
+        self.residual_scale = config.residual_scale  # (Granite) each branch's output scaled before its add
         # sandwich norms (Gemma 2 / 3): each branch's output normed before its residual add
         self.attn_post_norm = self.ffn_post_norm = None
         if config.post_norms:
@@ -173,10 +177,14 @@ class TransformerBlock(nn.Module):
         attn_out = self.attn(a, token_positions, kv_cache, documents)
         if self.attn_post_norm is not None:
             attn_out = self.attn_post_norm(attn_out)
+        if self.residual_scale is not None:
+            attn_out = attn_out * self.residual_scale
         y, h = _add_norm(self.ln2, attn_out, h_in)
         ffn_out = self.ffn(y)
         if self.ffn_post_norm is not None:
             ffn_out = self.ffn_post_norm(ffn_out)
+        if self.residual_scale is not None:
+            ffn_out = ffn_out * self.residual_scale
         return h, ffn_out
 
 
@@ -252,12 +260,19 @@ class TransformerLM(nn.Module):
         :class:`~tritonlm.modules.cache.PagedKVCache` (``[cache.layer(i) ...]``, after ``cache.prepare``) do the
         same for a batch of sequences of different lengths, each continuing from its own.
         """
+        if self.training and self.config.dropout:
+            raise ValueError(f"ModelConfig.dropout={self.config.dropout}: the checkpoint was trained with dropout, "
+                             "which tritonlm's kernels do not have; eval and generation are exact, training would "
+                             "not be the recipe (to fine-tune without dropout: model.config = "
+                             "model.config.replace(dropout=0.0))")
         hidden = self.hidden_states(token_ids, token_positions, kv_caches, document_ids=document_ids)
         if targets is not None:
             return self._loss_from_hidden(hidden, targets, **loss_options)
         if loss_options:
             raise TypeError(f"loss options {sorted(loss_options)} given without targets")
         logits = self.lm_head(hidden)
+        if self.config.logits_divisor is not None:  # (Granite's logits_scaling)
+            logits = logits / self.config.logits_divisor
         cap = self.config.final_softcap
         return logits if cap is None else cap * torch.tanh(logits / cap)
 
@@ -304,6 +319,8 @@ class TransformerLM(nn.Module):
                           ) -> torch.Tensor:
         if targets.shape != hidden.shape[:-1]:
             raise ValueError(f"targets {tuple(targets.shape)} must match token_ids {tuple(hidden.shape[:-1])}")
+        if self.config.logits_divisor is not None:  # logits / s = (hidden / s) W^T: the fused loss sees the same
+            hidden = hidden / self.config.logits_divisor
         # the backend's own loss: the fused one never forms the [tokens, vocab] logits; targets come from the ids'
         # data, so a trainer that validated it once (check_ids off) skips the per-step range check (a host sync)
         loss = components(self.backend).lm_head_loss(

@@ -284,15 +284,17 @@ class SinusoidalPositionalEncoding(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """``w2(silu(w1 x) * w3 x)``; ``d_ff=None`` -> 8/3·d_model rounded to the nearest multiple of 64."""
+    """``w2(silu(w1 x) * w3 x)``; ``d_ff=None`` -> 8/3·d_model rounded to the nearest multiple of 64; ``bias=True``
+    adds a bias to each projection."""
 
-    def __init__(self, d_model: int, d_ff: int | None = None, device=None, dtype=None):
+    def __init__(self, d_model: int, d_ff: int | None = None, device=None, dtype=None, *, bias: bool = False):
         super().__init__()
         self.d_model = d_model
         self.d_ff = default_d_ff(d_model) if d_ff is None else d_ff
-        self.w1 = Linear(d_model, self.d_ff, device=device, dtype=dtype)
-        self.w2 = Linear(self.d_ff, d_model, device=device, dtype=dtype)
-        self.w3 = Linear(d_model, self.d_ff, device=device, dtype=dtype)
+        # (bias: ERNIE 4.5's biased projections; the CS336 FFN has none)
+        self.w1 = Linear(d_model, self.d_ff, device=device, dtype=dtype, bias=bias)
+        self.w2 = Linear(self.d_ff, d_model, device=device, dtype=dtype, bias=bias)
+        self.w3 = Linear(d_model, self.d_ff, device=device, dtype=dtype, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x[..., d_model] -> [..., d_model]``."""
@@ -413,7 +415,8 @@ class MultiHeadSelfAttention(nn.Module):
     OLMo 2), with ``norm_eps`` (and ``norm_offset``: Gemma 3's
     ``x̂ · (1 + w)``). Gemma 2 / 3: ``softmax_scale`` (default ``1 / sqrt(d_k)``), ``softcap`` (scores become
     ``softcap · tanh(s / softcap)``) and ``window`` (a query sees its ``window`` most recent positions). Phi-3:
-    ``rotary_dim`` (RoPE on each head's first ``rotary_dim`` features only).
+    ``rotary_dim`` (RoPE on each head's first ``rotary_dim`` features only). ``out_bias``: a bias on the output
+    projection (ERNIE 4.5, Seed-OSS).
     """
 
     def __init__(self, d_model: int, num_heads: int, max_seq_len: int | None = None,
@@ -421,7 +424,7 @@ class MultiHeadSelfAttention(nn.Module):
                  rope_scaling: dict | None = None, head_dim: int | None = None, qkv_bias: bool = False,
                  qk_norm: str | None = None, norm_eps: float = 1e-5, norm_offset: bool = False,
                  softmax_scale: float | None = None, softcap: float | None = None, window: int | None = None,
-                 rotary_dim: int | None = None):
+                 rotary_dim: int | None = None, out_bias: bool = False):
         super().__init__()
         if head_dim is None and d_model % num_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
@@ -437,7 +440,7 @@ class MultiHeadSelfAttention(nn.Module):
         # grouped-query attention: fewer key/value heads, each shared by num_heads / num_kv_heads query heads
         self.k_proj = Linear(d_model, num_kv_heads * self.d_k, device=device, dtype=dtype, bias=qkv_bias)
         self.v_proj = Linear(d_model, num_kv_heads * self.d_k, device=device, dtype=dtype, bias=qkv_bias)
-        self.output_proj = Linear(num_heads * self.d_k, d_model, device=device, dtype=dtype)
+        self.output_proj = Linear(num_heads * self.d_k, d_model, device=device, dtype=dtype, bias=out_bias)
         self.q_norm = self.k_norm = None
         if qk_norm == "head":
             self.q_norm = RMSNorm(self.d_k, norm_eps, device=device, dtype=dtype, offset=norm_offset)

@@ -134,26 +134,33 @@ def test_ragged_batch_generation_equals_transformers_per_prompt(tmp_path):
         assert out.tolist() == expected[0].tolist()
 
 
-def test_mistral_sliding_window(tmp_path):
-    """Context capped at the window (where windowed attention is causal attention); apply_kernels runs the
-    window itself on longer inputs."""
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_mistral_sliding_window(tmp_path, backend):
+    """The window is a window (issue 31): the context is max_position_embeddings, and past the window the logits and
+    greedy generation (KV cache, true positions) equal transformers'; saved back as mistral with its window, which
+    transformers then runs windowed; apply_kernels runs the window itself."""
     transformers = _transformers()
     from tritonlm import hf
 
     torch.manual_seed(7)
     cfg = transformers.MistralConfig(**SIZES, sliding_window=8)
     theirs = transformers.MistralForCausalLM(cfg).to(DEVICE).eval()
-    theirs.save_pretrained(tmp_path)
-    ours = hf.from_pretrained(tmp_path, backend="reference", device=DEVICE, dtype=torch.float32)
-    assert ours.context_length == 8
-    ids = torch.randint(0, 300, (2, 8)).to(DEVICE)
-    torch.testing.assert_close(ours(ids), theirs(ids).logits, atol=2e-5, rtol=1e-4)
-    with pytest.raises(ValueError, match="sliding_window"):
-        hf.from_pretrained(tmp_path, backend="reference", context_length=16)
-    long_ids = torch.randint(0, 300, (2, 19)).to(DEVICE)
+    theirs.save_pretrained(tmp_path / "theirs")
+    ours = hf.from_pretrained(tmp_path / "theirs", backend=backend, device=DEVICE, dtype=torch.float32)
+    assert (ours.context_length, ours.config.sliding_window) == (64, 8)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        hf.from_pretrained(tmp_path / "theirs", backend="reference", context_length=65)
+    long_ids = torch.randint(0, 300, (2, 19), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     expected = theirs(long_ids).logits
-    patched = hf.apply_kernels(copy.deepcopy(theirs))
-    torch.testing.assert_close(patched(long_ids).logits, expected, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(ours(long_ids), expected, atol=2e-5, rtol=1e-4)
+    prompt = torch.randint(0, 300, (1, 11), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    want = theirs.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert ours.generate(prompt, max_new_tokens=20, temperature=0).tolist() == want.tolist()
+    if backend == "reference":
+        back = hf_round_trip(ours, tmp_path / "ours", "MistralForCausalLM", seq=30)
+        assert back.config.sliding_window == 8
+        patched = hf.apply_kernels(copy.deepcopy(theirs))
+        torch.testing.assert_close(patched(long_ids).logits, expected, atol=2e-5, rtol=1e-4)
 
 
 def _error(cfg_changes: dict, drop=()):
@@ -174,7 +181,8 @@ def test_config_mapping_errors_name_the_field():
     assert "hidden_act" in _error({"hidden_act": "gelu"})
     assert "head dim" in _error({"head_dim": 15})  # RoPE pairs need an even head dim
     assert model_config_from_hf({"model_type": "llama", **SIZES, "head_dim": 32}).d_head == 32  # explicit: kept
-    assert "intermediate_size" in _error({}, drop=["intermediate_size"])
+    # a key no family reads is refused by name (a missing key takes transformers' class default: tests/hf)
+    assert "made_up_scaling" in _error({"made_up_scaling": 2.0})
     assert "original_max_position_embeddings" in _error({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
     # both rope config styles read the same
     v5 = model_config_from_hf({"model_type": "llama", **{k: v for k, v in SIZES.items() if k != "rope_theta"},
@@ -212,7 +220,7 @@ def test_apply_kernels_matches_unpatched(dtype, monkeypatch):
     base = _llama(dtype=dtype, seed=8)
     patched = hf.apply_kernels(copy.deepcopy(base))
     calls = {"attention": 0, "rope": 0}
-    real_attention, real_rope = patch.tritonlm_attention, patch._rope_half_split
+    real_attention, real_rope = patch.tritonlm_attention, patch._rope_kernel
 
     def counting(*args, **kwargs):
         calls["attention"] += 1
@@ -222,7 +230,7 @@ def test_apply_kernels_matches_unpatched(dtype, monkeypatch):
         calls["rope"] += 1
         return real_rope(*args, **kwargs)
 
-    monkeypatch.setattr(patch, "_rope_half_split", counting_rope)  # the RoPE kernel, not HF's formula, runs
+    monkeypatch.setattr(patch, "_rope_kernel", counting_rope)  # the RoPE kernel, not HF's formula, runs
 
     from transformers import AttentionInterface
 
@@ -303,7 +311,7 @@ def test_apply_kernels_refuses_other_models():
 
 @pytest.mark.skipif(ON_CUDA, reason="checks the interpreter's half-split kernel against the formula on CPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_rope_half_split_layout(dtype):
+def test_rope_kernel_layout(dtype):
     """``layout="half"`` against HF's formula (``q·cos + rotate_half(q)·sin``) in fp64, forward and backward, on a
     non-contiguous [batch, heads, seq, d] view with odd sizes and 16-bit tables."""
     from tritonlm.kernels import apply_rope, rope_tables

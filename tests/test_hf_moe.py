@@ -104,7 +104,7 @@ def test_mixtral_save_pretrained_round_trip(tmp_path):
 
     cfg = ModelConfig(vocab_size=120, context_length=48, d_model=32, num_layers=2, num_heads=4, d_ff=40,
                       num_kv_heads=2, norm_eps=1e-6, num_experts=4, experts_per_token=2, moe_d_ff=40,
-                      router_aux_loss_coef=0.01)
+                      router_aux_loss_coef=0.01, model_type="mixtral")
     torch.manual_seed(3)
     ours = TransformerLM(cfg).to(DEVICE)
     hf_round_trip(ours, tmp_path, "MixtralForCausalLM")
@@ -116,9 +116,11 @@ def test_moe_layouts_without_an_hf_equivalent_are_refused(tmp_path):
     _transformers()
     from tritonlm import hf
 
-    cfg = ModelConfig.preset("tiny-moe").replace(moe_layers=(0, 2))
-    with pytest.raises(ValueError, match="Mixtral's MoE layout"):
+    cfg = ModelConfig.preset("tiny-moe").replace(moe_layers=(0, 2), model_type="mixtral")
+    with pytest.raises(ValueError, match="'mixtral' cannot hold this model's .*moe_layers"):
         hf.save_pretrained(TransformerLM(cfg), tmp_path)
+    with pytest.raises(ValueError, match="'llama' cannot hold this model's num_experts"):  # (no family named)
+        hf.save_pretrained(TransformerLM(cfg.replace(model_type=None)), tmp_path)
 
 
 def test_router_jitter_is_a_one_line_error():

@@ -43,6 +43,37 @@ FAMILIES = {
                   dict(head_dim=16, num_experts=5, num_experts_per_tok=2, moe_intermediate_size=24,
                        norm_topk_prob=False, mlp_only_layers=[0])),
 }
+#: the six dense families of issue 32, each a family file of its own; with the fields each maps to
+IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+NEW_FAMILIES = {
+    # a NoPE layer (layer 1) that is also the sliding one, q/k/v/o and MLP biases
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM",
+                dict(IDS, no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=5,
+                     layer_types=["full_attention", "sliding_attention"], attention_bias=True, mlp_bias=True),
+                dict(nope_layers=(1,), sliding_window=5, sliding_layers=(1,), qkv_bias=True, attn_out_bias=True,
+                     mlp_bias=True)),
+    # output norms, a sliding layer, linear RoPE scaling on the full layer only
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM",
+              dict(IDS, sliding_window=5, layer_types=["sliding_attention", "full_attention"],
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 500.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}}),
+              dict(norm_position="output", qk_norm="projection", sliding_window=5, sliding_layers=(0,),
+                   local_rope_theta=500.0)),
+    # interleaved RoPE on half of each head, q/k/v biases, fused gate_up, sandwich norms
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(IDS, head_dim=16),
+             dict(partial_rotary=0.5, qkv_bias=True, post_norms=True, head_dim=16)),
+    "granite": ("GraniteConfig", "GraniteForCausalLM",
+                dict(IDS, embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.2,
+                     logits_scaling=2.5),
+                dict(embedding_scale=3.0, residual_scale=0.4, query_scale=0.2, logits_divisor=2.5)),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(IDS, head_dim=8, use_bias=True),
+                 dict(qkv_bias=True, attn_out_bias=True, mlp_bias=True, tie_embeddings=True)),
+    # its published dropout is left at 0 here so the training-mode comparisons run (dropout: test_family_records)
+    "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM",
+                 dict(IDS, head_dim=8, attention_out_bias=True, attention_dropout=0.0, residual_dropout=0.0),
+                 dict(qkv_bias=True, attn_out_bias=True)),
+}
+FAMILIES.update({kind: spec[:3] for kind, spec in NEW_FAMILIES.items()})
 
 
 def _transformers():
@@ -68,6 +99,8 @@ def _model(kind, seed=0):
             elif kind.startswith("gemma") and name.endswith(("norm.weight", "layernorm.weight")):
                 # Gemma's (1 + w) norms start at w = 0
                 p.uniform_(-0.5, 0.5)
+            elif kind in NEW_FAMILIES and name.endswith("norm.weight"):  # (a swapped norm would show)
+                p.uniform_(0.5, 1.5)
     return model.to(DEVICE).eval()
 
 
@@ -91,7 +124,20 @@ def _hf_grads(model: TransformerLM) -> dict:
 #: the families whose fused run exercises a kernel path the others do not (softcap + windows, local RoPE bases and
 #: offset q/k norms, projection q/k norms, partial RoPE + fused projections, experts with a shared expert); the
 #: reference backend runs every family (the fused Llama / Mistral / Mixtral runs are in test_hf.py / test_hf_moe.py)
-FUSED_KINDS = ("gemma2", "gemma3_text", "olmo2", "phi3", "qwen2_moe")
+FUSED_KINDS = ("gemma2", "gemma3_text", "olmo2", "phi3", "qwen2_moe", *NEW_FAMILIES)
+#: the families whose bf16, generation and command-line checks run here (the others': test_hf.py, test_hf_moe.py)
+CHECKED_KINDS = ["gemma2", "gemma3_text", "olmo2", "phi3", *NEW_FAMILIES]
+
+
+def _check_old_family_fields(kind, cfg):
+    """The fields the first twelve families' tiny configs map to."""
+    assert cfg.qkv_bias == kind.startswith("qwen2")
+    assert (cfg.qk_norm == "head") == kind.startswith(("qwen3", "gemma3"))
+    assert cfg.d_head == (8 if kind.startswith(("qwen2", "olmo2", "phi3")) else 16)
+    assert (cfg.partial_rotary == 0.5) == (kind == "phi3")
+    assert (cfg.ffn == "geglu") == cfg.norm_offset == (cfg.embedding_scale is not None) == kind.startswith("gemma")
+    assert cfg.post_norms == (cfg.sliding_window == 5) == kind.startswith(("gemma2", "gemma3"))
+    assert (cfg.norm_position == "output") == (cfg.qk_norm == "projection") == (kind == "olmo2")
 
 
 @pytest.mark.parametrize("kind, backend", [(k, "reference") for k in FAMILIES] + [(k, "triton") for k in FUSED_KINDS])
@@ -102,13 +148,10 @@ def test_from_pretrained_matches_transformers(kind, backend, tmp_path):
     theirs.save_pretrained(tmp_path)
     ours = hf.from_pretrained(tmp_path, backend=backend, device=DEVICE, dtype=torch.float32)
     cfg = ours.config
-    assert cfg.qkv_bias == kind.startswith("qwen2")
-    assert (cfg.qk_norm == "head") == kind.startswith(("qwen3", "gemma3"))
-    assert cfg.d_head == (8 if kind.startswith(("qwen2", "olmo2", "phi3")) else 16)
-    assert (cfg.partial_rotary == 0.5) == (kind == "phi3")
-    assert (cfg.ffn == "geglu") == cfg.norm_offset == (cfg.embedding_scale is not None) == kind.startswith("gemma")
-    assert cfg.post_norms == (cfg.sliding_window == 5) == kind.startswith(("gemma2", "gemma3"))
-    assert (cfg.norm_position == "output") == (cfg.qk_norm == "projection") == (kind == "olmo2")
+    if kind in NEW_FAMILIES:
+        assert {k: getattr(cfg, k) for k in NEW_FAMILIES[kind][3]} == NEW_FAMILIES[kind][3]
+    else:
+        _check_old_family_fields(kind, cfg)
     ids = torch.randint(0, 120, (2, 21), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     moe = kind.endswith("moe")
     expected = theirs(ids, labels=ids, **({"output_router_logits": True} if moe else {}))
@@ -144,7 +187,7 @@ def test_qwen_options_without_a_family_are_refused(tmp_path):
 
     cfg = ModelConfig(vocab_size=50, context_length=16, d_model=32, num_layers=1, num_heads=4, d_ff=48,
                       qk_norm="head", qkv_bias=True)
-    with pytest.raises(ValueError, match="no HF family"):
+    with pytest.raises(ValueError, match="cannot hold"):
         hf.save_pretrained(TransformerLM(cfg), tmp_path)
     with pytest.raises(ValueError, match="use_sliding_window"):
         hf.model_config_from_hf({"model_type": "qwen2", **BASE, "use_sliding_window": True})
@@ -202,7 +245,8 @@ def test_apply_kernels_matches_unpatched(kind, monkeypatch):
     patches = Counter(getattr(m, "_tritonlm_patch", None) for m in patched.modules())
     layers = patched.config.num_hidden_layers
     assert counts["_rms_norm_fwd_kernel"] == patches["rms_norm"] > layers
-    assert counts["_rope_kernel"] == counts["_fwd_kernel"] == patches["rope"] == layers
+    rope_layers = sum(getattr(patched.config, "no_rope_layers", None) or [1] * layers)  # (SmolLM3's NoPE layers)
+    assert counts["_rope_kernel"] == rope_layers and counts["_fwd_kernel"] == patches["rope"] == layers
     assert counts["_swiglu_fwd_kernel"] == patches["swiglu"]
     assert counts["_up_kernel"] == patches["moe"] == (1 if kind.endswith("moe") else 0)  # (one MoE layer of two)
     assert counts["_cross_entropy_kernel"] >= 1 and patches["loss"] == 1 and not counts_ref  # (unpatched: none)
@@ -213,21 +257,19 @@ def test_apply_kernels_matches_unpatched(kind, monkeypatch):
 
 
 def test_readme_supported_models_table_matches_the_code():
-    """README's "Supported models" table is the code's own (tritonlm.hf.SUPPORTED_MODELS), row for row."""
+    """README's "Supported models" table is the registry's own (tritonlm.hf.readme_table), row for row."""
     from pathlib import Path
 
-    from tritonlm.hf import SUPPORTED_MODELS
+    from tritonlm.hf import SUPPORTED_MODELS, readme_table
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
     section = readme.split("### Supported models", 1)[1].split("\n\n", 2)[1]
+    assert section.strip() == readme_table()
     rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()[2:]]
-    yes = {True: "yes", False: "no"}
-    expected = [[kind, yes[v["from_pretrained"]], yes[v["apply_kernels"]], v["tokenizer"]]
-                for kind, v in SUPPORTED_MODELS.items()]
-    assert rows == expected
+    assert [row[0] for row in rows] == list(SUPPORTED_MODELS)
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3_text", "olmo2", "phi3"])
+@pytest.mark.parametrize("kind", CHECKED_KINDS)
 def test_new_families_greedy_generation_equals_transformers(kind, tmp_path):
     """Decoding past the windows (KV cache, windowed layers, per-layer RoPE bases, softcaps, partial rotary, output
     norms): the same greedy tokens as transformers; a ragged batch through the paged cache gives each prompt the
@@ -259,7 +301,15 @@ def test_phi3_options_without_an_equivalent_are_refused():
         hf.model_config_from_hf({**base, "model_type": "phimoe"})
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3_text", "olmo2", "phi3"])
+def _gradient_scales(grads32: dict) -> dict:
+    """What each fp32 gradient's bf16 error is measured against: its own norm, but not below 1e-3 of the whole
+    gradient's (a parameter whose gradient is a thousandth of the rest is below bf16's resolution: a NoPE layer's
+    near-uniform attention, a key bias the softmax cancels, compare rounding noise with rounding noise)."""
+    total = torch.stack([g.float().norm() for g in grads32.values()]).norm()
+    return {name: torch.maximum(g.float().norm(), 1e-3 * total) for name, g in grads32.items()}
+
+
+@pytest.mark.parametrize("kind", CHECKED_KINDS)
 def test_apply_kernels_bf16_no_further_from_fp32_than_unpatched(kind):
     """bf16: the patched model's logits, loss and gradients against the fp32 model are no further off than the
     unpatched bf16 model's (each side against its fp32 twin)."""
@@ -284,8 +334,9 @@ def test_apply_kernels_bf16_no_further_from_fp32_than_unpatched(kind):
     (loss32, logits32, grads32), (loss_ref, logits_ref, grads_ref), (loss, logits, grads) = results
     assert abs(loss - loss32) <= 2 * abs(loss_ref - loss32) + 1e-2
     assert (logits - logits32).norm() <= 2 * (logits_ref - logits32).norm() + 1e-2 * logits32.norm()
+    scale = _gradient_scales(grads32)
     for name, g32 in grads32.items():
-        err, err_ref = ((g[name] - g32).norm() / g32.norm() for g in (grads, grads_ref))
+        err, err_ref = ((g[name] - g32).norm() / scale[name] for g in (grads, grads_ref))
         assert err <= 2 * err_ref + 0.02, (name, err, err_ref)
 
 
@@ -319,7 +370,7 @@ def test_apply_kernels_packed_documents(kind):
         torch.testing.assert_close(grads[name], grads_ref[name], atol=3e-5, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3_text", "olmo2", "phi3"])
+@pytest.mark.parametrize("kind", CHECKED_KINDS)
 def test_new_families_in_bf16_and_from_the_command_line(kind, tmp_path, capsys):
     """bf16: our from_pretrained model's loss and gradients against the fp32 checkpoint are no further off than
     transformers' own bf16 model's; ``tritonlm accounting --hf`` reads the directory."""
@@ -338,9 +389,10 @@ def test_new_families_in_bf16_and_from_the_command_line(kind, tmp_path, capsys):
         model_loss.backward()
     assert abs(loss.float() - loss32) <= 2 * abs(loss16.float() - loss32) + 1e-2
     grads = _hf_grads(ours)
+    scale = _gradient_scales({name: p.grad for name, p in theirs32.named_parameters()})
     for name, p in theirs32.named_parameters():
         g16 = dict(theirs16.named_parameters())[name].grad.float()
-        err, err_ref = ((g.float() - p.grad).norm() / p.grad.norm() for g in (grads[name], g16))
+        err, err_ref = ((g.float() - p.grad).norm() / scale[name] for g in (grads[name], g16))
         assert err <= 2 * err_ref + 0.02, (name, err, err_ref)
     assert main(["accounting", "--hf", str(tmp_path / "hf"), "--seq-len", "32"]) == 0
     assert "parameters" in capsys.readouterr().out.lower()

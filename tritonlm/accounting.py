@@ -39,8 +39,8 @@ def _ffn_matrices(cfg: ModelConfig) -> int:
 def _ffn_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
     """Parameters of layer ``layer``'s FFN; ``active``: those one token uses (an MoE layer's routed experts)."""
     d = cfg.d_model
-    if not cfg.is_moe_layer(layer):
-        return _ffn_matrices(cfg) * d * cfg.d_ff
+    if not cfg.is_moe_layer(layer):  # (+ ERNIE 4.5's biases: d_ff on the gate and up rows, d_model on down)
+        return _ffn_matrices(cfg) * d * cfg.d_ff + (2 * cfg.d_ff + d) * cfg.mlp_bias
     experts = cfg.experts_per_token if active else cfg.num_experts
     shared = 3 * d * cfg.shared_expert_d_ff + d if cfg.shared_expert_d_ff else 0  # + its sigmoid gate
     return cfg.num_experts * d + experts * 3 * d * cfg.expert_d_ff + shared  # router, experts, shared expert
@@ -51,9 +51,11 @@ def param_count(cfg: ModelConfig, active: bool = False) -> int:
     the parameters one token's forward uses (differs from the total in mixture-of-experts models only)."""
     d, d_q, d_kv = cfg.d_model, cfg.num_heads * cfg.d_head, cfg.kv_heads * cfg.d_head
     # q and output projections d x (heads x d_head); k and v d x (kv heads x d_head) (smaller under GQA); Qwen2's
-    # q/k/v biases; Qwen3's per-head q/k norm weights
-    attention_and_norms = (2 * d * d_q + 2 * d * d_kv + 2 * _norm_params(cfg) + (d_q + 2 * d_kv) * cfg.qkv_bias
-                           + (2 * cfg.d_head if cfg.qk_norm else 0))
+    # q/k/v biases, an output bias; q/k norm weights per head (Qwen3) or over the projections (OLMo 2); sandwich
+    # norms (Gemma 2 / 3, GLM-4)
+    qk_norms = {None: 0, "head": 2 * cfg.d_head, "projection": d_q + d_kv}[cfg.qk_norm]
+    attention_and_norms = (2 * d * d_q + 2 * d * d_kv + (2 + 2 * cfg.post_norms) * _norm_params(cfg)
+                           + (d_q + 2 * d_kv) * cfg.qkv_bias + d * cfg.attn_out_bias + qk_norms)
     layers = sum(attention_and_norms + _ffn_params(cfg, i, active) for i in range(cfg.num_layers))
     final_norm = _norm_params(cfg) if cfg.norm_position == "pre" else 0
     lm_head = 0 if cfg.tie_embeddings else d * cfg.vocab_size  # tied: the embedding matrix is the head

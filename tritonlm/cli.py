@@ -422,6 +422,9 @@ def cmd_kernels(args) -> int:
 # entry point
 # ----------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
+    # (the family list for the help texts: plain Python, no transformers)
+    from .hf.family import supported_phrase
+
     parser = argparse.ArgumentParser(prog="tritonlm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -430,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "scaling table across presets and sequence lengths.")
     p.add_argument("--preset", default="gpt2-xl", help="model preset (default gpt2-xl)")
     p.add_argument("--hf", metavar="HF_DIR",
-                   help="account for a local Hugging Face Llama/Mistral/Mixtral/Gemma/Qwen (any family of tritonlm.hf.SUPPORTED_MODELS) model instead (its config.json)")
+                   help=f"account for a local {supported_phrase()} instead (its config.json)")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
     p.add_argument("--batch", type=int, default=1, help="sequences per batch (default 1)")
     p.add_argument("--num-kv-heads", type=int, default=None,
@@ -452,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="tokenizer to use: a directory with vocab.json + merges.txt (GPT-2 format) "
                                        "or a Hugging Face tokenizer.json, or the path of that tokenizer.json")
     p.add_argument("--init-from", metavar="HF_DIR",
-                   help="fine-tune a local Hugging Face Llama/Mistral/Mixtral/Gemma/Qwen (any family of tritonlm.hf.SUPPORTED_MODELS) model (config.json + safetensors): its sizes, "
+                   help=f"fine-tune a local {supported_phrase()} (config.json + safetensors): its sizes, "
                         "weights and tokenizer.json; only --context-length (training length, default "
                         "min(1024, the model's)) may be changed")
     p.add_argument("--preset", default="tiny", help="model size preset (default tiny; see `tritonlm accounting`)")
@@ -501,7 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("generate", help="sample text from a trained checkpoint or a Hugging Face model",
-                       description="Load a training output directory, or a local Hugging Face Llama/Mistral/Mixtral/Gemma/Qwen (any family of tritonlm.hf.SUPPORTED_MODELS) "
+                       description=f"Load a training output directory, or a local {supported_phrase()} "
                                    "directory (config.json, safetensors, tokenizer.json), and continue a prompt "
                                    "(KV-cached decoding). --prompt-file decodes many prompts together in batched "
                                    "steps through a paged KV cache, each stopping on its own.")

@@ -125,7 +125,7 @@ def _load_hf_for_generation(path: Path, device, backend):
 
 def load_for_generation(checkpoint_dir, device="auto", backend="auto"):
     """``(model, tokenizer)`` from a training output directory (or a checkpoint file inside one), or from a local
-    Hugging Face Llama/Mistral/Mixtral/Gemma/Qwen (any family of tritonlm.hf.SUPPORTED_MODELS) directory (config.json, safetensors, tokenizer.json)."""
+    Hugging Face directory of a family in tritonlm.hf.SUPPORTED_MODELS (config.json, safetensors, tokenizer.json)."""
     path = Path(checkpoint_dir)
     if is_hf_model_dir(path):
         return _load_hf_for_generation(path, device, backend)

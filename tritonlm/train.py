@@ -59,7 +59,7 @@ class TrainConfig:
 
     data: str | None = None
     tokenizer: str | None = None
-    init_from: str | None = None  # a local Hugging Face Llama/Mistral/Mixtral/Gemma/Qwen (any family of tritonlm.hf.SUPPORTED_MODELS) directory: its sizes, weights, tokenizer
+    init_from: str | None = None  # a local Hugging Face directory of a family in tritonlm.hf.SUPPORTED_MODELS: its sizes, weights, tokenizer
     preset: str = "tiny"
     model_overrides: dict = field(default_factory=dict)
     max_steps: int = 300
@@ -260,9 +260,17 @@ def _hf_model_config(cfg: TrainConfig) -> ModelConfig:
     except FileNotFoundError as e:
         raise TrainError(f"--init-from: {e}") from None
     context = cfg.model_overrides.get("context_length") or cfg.context_length
-    if context is None:
-        context = min(INIT_FROM_CONTEXT, model_config_from_hf(hf_cfg).context_length)
-    return model_config_from_hf(hf_cfg, context)
+    try:
+        if context is None:
+            context = min(INIT_FROM_CONTEXT, model_config_from_hf(hf_cfg).context_length)
+        mcfg = model_config_from_hf(hf_cfg, context)
+    except ValueError as e:
+        raise TrainError(f"--init-from {cfg.init_from}: {e}") from None
+    if mcfg.dropout:
+        raise TrainError(f"--init-from {cfg.init_from}: the checkpoint trains with dropout {mcfg.dropout} (its "
+                         "config's dropout keys), which tritonlm's kernels do not have yet: fine-tuning without it "
+                         "would not be its recipe")
+    return mcfg
 
 
 def _data_stage(run: _Run) -> None:
@@ -308,12 +316,19 @@ def _model_stage(run: _Run) -> None:
     distribution (FSDP2 / DDP), the optimizer and compilation."""
     cfg, mcfg, device, dist_info = run.cfg, run.mcfg, run.device, run.dist
     torch.manual_seed(cfg.seed)
+    hf_state = None
+    if cfg.init_from and not cfg.resume:
+        from .hf.checkpoint import load_hf_weights
+
+        try:  # (a file with its own head beside tie_word_embeddings loads untied, as transformers loads it)
+            mcfg, hf_state, _ = load_hf_weights(cfg.init_from, mcfg)
+        except (ValueError, FileNotFoundError, ImportError) as e:
+            raise TrainError(f"--init-from {cfg.init_from}: {e}") from None
+        run.mcfg = mcfg
     model = run.model = TransformerLM.from_config(mcfg, device=device, backend=run.backend)
     model.token_embeddings.check_ids = False  # every id was checked against the vocab above, once
-    if cfg.init_from and not cfg.resume:
-        from .hf.checkpoint import read_hf_state, state_from_hf
-
-        model.load_state_dict(state_from_hf(read_hf_state(cfg.init_from), mcfg))
+    if hf_state is not None:
+        model.load_state_dict(hf_state)
         run.say(f"model: initialised from {cfg.init_from} (context {mcfg.context_length} for training)")
     what = f"{cfg.init_from} (HF)" if cfg.init_from else f"preset {cfg.preset}"
     moe = (f" ({accounting.param_count(mcfg, active=True) / 1e6:.2f}M active per token: {mcfg.num_experts} experts, "

@@ -2,7 +2,8 @@
 
 * :func:`from_pretrained` / :func:`save_pretrained`: local checkpoint directories of the families in
   :data:`SUPPORTED_MODELS` <-> :class:`~tritonlm.modules.TransformerLM` (RoPE rows permuted between HF's
-  half-split layout and this library's interleaved pairs).
+  half-split layout and this library's interleaved pairs where a family uses the former). One record per family,
+  in :mod:`tritonlm.hf.families` (:mod:`tritonlm.hf.family`: what a record holds).
 * :func:`apply_kernels` / :func:`remove_kernels`: patch an HF model instance in place with the fused kernels.
 * :func:`model_config_from_hf`: the :class:`~tritonlm.config.ModelConfig` of an HF config dict (plain JSON,
   no optional dependency).
@@ -30,20 +31,20 @@ def _unshadow_kernels_package() -> None:
 
 _unshadow_kernels_package()
 
-from .checkpoint import FAMILIES as _FAMILIES  # noqa: E402
-from .checkpoint import from_pretrained, model_config_from_hf, read_hf_config, save_pretrained  # noqa: E402
-from .patch import MODEL_TYPES as _PATCHABLE  # noqa: E402
+from .checkpoint import (  # noqa: E402
+    from_pretrained,
+    model_config_from_hf,
+    read_hf_config,
+    readme_table,
+    save_pretrained,
+    supported_models,
+)
 from .patch import apply_kernels, remove_kernels  # noqa: E402
 
-#: The tokenizer.json kind each family ships, and whether ``Tokenizer.from_hf`` reads it.
-TOKENIZERS = {"llama": "byte-level BPE (Llama 3); SentencePiece BPE (Llama 2)", "mistral": "SentencePiece BPE",
-              "mixtral": "SentencePiece BPE", "gemma": "SentencePiece BPE", "gemma2": "SentencePiece BPE",
-              "gemma3_text": "SentencePiece BPE", "olmo2": "byte-level BPE", "phi3": "SentencePiece BPE",
-              "qwen2": "byte-level BPE",
-              "qwen3": "byte-level BPE", "qwen2_moe": "byte-level BPE", "qwen3_moe": "byte-level BPE"}
-#: model_type -> what works with it (README's "Supported models" table is checked against this).
-SUPPORTED_MODELS = {kind: {"architecture": arch, "from_pretrained": True, "apply_kernels": kind in _PATCHABLE,
-                           "tokenizer": TOKENIZERS[kind]} for kind, arch in _FAMILIES.items()}
+#: model_type -> what works with it: architecture, from/save_pretrained, apply_kernels, tokenizer.json kind, notes
+#: (generated from the family records of :mod:`tritonlm.hf.families`; README's "Supported models" table is
+#: :func:`readme_table`, and a test reads one against the other).
+SUPPORTED_MODELS = supported_models()
 
 __all__ = ["from_pretrained", "save_pretrained", "apply_kernels", "remove_kernels", "model_config_from_hf",
-           "read_hf_config", "SUPPORTED_MODELS"]
+           "read_hf_config", "SUPPORTED_MODELS", "readme_table"]

@@ -1,24 +1,28 @@
-"""``apply_kernels``: run a Hugging Face model instance (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen2-MoE,
-Qwen3-MoE) through tritonlm's kernels, in place.
+"""``apply_kernels``: run a Hugging Face model instance of any family in :data:`tritonlm.hf.SUPPORTED_MODELS` through
+tritonlm's kernels, in place. What to patch comes from the family's record (:class:`tritonlm.hf.family.Kernels`:
+its norm, MLP, expert and attention classes by name); this module names no family.
 
 What each switch replaces (every patch is an instance-level ``forward``, so parameters, ``state_dict``, the class
 and ``save_pretrained`` are untouched, and :func:`remove_kernels` undoes it):
 
-* ``rms_norm``: every ``*RMSNorm`` -> :func:`tritonlm.kernels.rms_norm` with HF's casting
-  (``weight * (x * rstd).to(x.dtype)``).
-* ``rope``: each attention layer's ``apply_rotary_pos_emb`` -> the RoPE kernel in half-split layout on the
-  cos/sin HF computed (its rotary module, scaling included, stays in charge of the angles).
-* ``swiglu``: each ``*MLP`` -> ``down_proj(swiglu_gate(gate_proj(x), up_proj(x)))``.
+* ``rms_norm``: the family's RMSNorm classes -> :func:`tritonlm.kernels.rms_norm` with the family's casting:
+  ``weight * (x * rstd).to(x.dtype)`` (Llama's), ``(weight * x * rstd).to(x.dtype)`` (fp32 product: OLMo) or
+  ``x * rstd * (1 + weight)`` in fp32 (Gemma's offset).
+* ``rope``: each attention layer's ``apply_rotary_pos_emb`` -> the RoPE kernel in the family's layout (half-split
+  ``rotate_half``, or interleaved pairs) on the cos/sin HF computed (its rotary module, scaling included, stays in
+  charge of the angles); a partial rotary dim turns the first features only.
+* ``swiglu``: the family's MLPs -> ``down_proj(swiglu_gate(gate_proj(x), up_proj(x)))`` (GeGLU for Gemma; one fused
+  ``gate_up_proj`` split into strided halves for Phi-3 / GLM-4).
 * ``moe``: each stacked ``*Experts`` module (transformers 5's ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``)
   -> :func:`tritonlm.kernels.moe_experts` (grouped GEMMs, dropless); the router stays transformers' own, and a
   ``"tritonlm"`` experts implementation is registered in ``ExpertsInterface`` for models that select it by name.
 * ``attention``: the model's attention implementation -> ``"tritonlm"``, registered in transformers'
-  ``AttentionInterface``: flash attention with GQA (K/V never repeated), sliding windows, and padding masks as
-  packed variable-length sequences.
-* ``loss``: ``forward(..., labels=...)`` -> the fused linear cross-entropy on the final hidden states; the
-  ``[batch, seq, vocab]`` logits are never formed in training (``logits`` is then ``None``; in eval mode they
-  are computed as well). MoE models keep ``output_router_logits`` and the load-balancing term as transformers
-  computes them.
+  ``AttentionInterface``: flash attention with GQA (K/V never repeated), sliding windows, softcaps, and padding
+  masks as packed variable-length sequences.
+* ``loss``: ``forward(..., labels=...)`` -> the fused linear cross-entropy on the final hidden states, with the
+  family's logit transform (Gemma's final softcap, Granite's ``logits_scaling``); the ``[batch, seq, vocab]``
+  logits are never formed in training (``logits`` is then ``None``; in eval mode they are computed as well). MoE
+  models keep ``output_router_logits`` and the load-balancing term as transformers computes them.
 """
 
 from __future__ import annotations
@@ -29,12 +33,8 @@ from types import MethodType
 import torch
 import torch.nn.functional as F
 
-MODEL_TYPES = ("llama", "mistral", "mixtral", "gemma", "gemma2", "gemma3_text", "olmo2", "phi3", "qwen2", "qwen3",
-               "qwen2_moe", "qwen3_moe")
-#: RMSNorms that multiply the fp32 x̂ by the weight before casting (Llama's cast x̂ to the input dtype first)
-_FP32_PRODUCT_NORMS = ("Olmo2RMSNorm",)
-#: Gemma's RMSNorms: x̂ · (1 + w) computed in fp32, the offset kernel
-_OFFSET_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
+from .family import families, family
+
 #: transformers' activation names -> the MoE kernel's
 _MOE_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 ATTENTION_NAME = "tritonlm"
@@ -53,11 +53,12 @@ def _kernels():
 # replacement forwards
 # ----------------------------------------------------------------------------------------------------
 def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Llama's RMSNorm: ``weight * x̂.to(x.dtype)`` (x̂ rounded before the weight)."""
     return _kernels().rms_norm(hidden_states, self.weight, self.variance_epsilon, cast_xhat=True)
 
 
-def _fp32_product_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """OLMo 2's RMSNorm: ``(w · x̂).to(x.dtype)`` with x̂ in fp32 (no rounding before the weight)."""
+def _fp32_weight_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """OLMo's RMSNorm: ``(w · x̂).to(x.dtype)`` with x̂ in fp32 (no rounding before the weight)."""
     return _kernels().rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
@@ -66,13 +67,17 @@ def _offset_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return _kernels().rms_norm(hidden_states, self.weight, self.eps, weight_offset=1.0)
 
 
+_NORM_FORWARDS = {"cast": _rms_norm_forward, "fp32_weight": _fp32_weight_rms_norm_forward,
+                  "offset": _offset_rms_norm_forward}
+
+
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     # the projections' outputs feed only the gate: its backward may overwrite them
     return self.down_proj(_kernels().swiglu_gate(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
 
 
 def _fused_gate_up_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """Phi-3's MLP: one ``gate_up_proj`` whose first half of the features is the gate (strided views, no copies)."""
+    """One ``gate_up_proj`` whose first half of the features is the gate (Phi-3, GLM-4; strided views)."""
     gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
     return self.down_proj(_kernels().swiglu_gate(gate, up))
 
@@ -80,6 +85,10 @@ def _fused_gate_up_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
 def _geglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(_kernels().geglu_gate(self.gate_proj(x), self.up_proj(x), approximate="tanh",
                                                 inplace_backward=True))
+
+
+_MLP_FORWARDS = {"swiglu": lambda: _mlp_forward, "geglu": lambda: _geglu_mlp_forward,
+                 "gate_up": lambda: _fused_gate_up_mlp_forward}
 
 
 def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -102,13 +111,14 @@ def _stacked_experts(module) -> bool:
             and not getattr(module, "has_bias", False) and getattr(module, "has_gate", True))
 
 
-def _rope_half_split(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+def _rope_kernel(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str):
     """HF's ``apply_rotary_pos_emb(q, k, cos, sin)`` on ``q[b, heads, s, d]``, ``k[b, kv_heads, s, d]`` with
-    ``cos, sin[b or 1, s, d]`` (both halves equal, as HF builds them): the per-token tables become a
-    ``[b·s, d/2]`` table indexed by each token's row."""
+    ``cos, sin[b or 1, s, rotary]`` (both halves equal, as HF builds them, for either layout): the per-token tables
+    become a ``[b·s, rotary/2]`` table indexed by each token's row, and the kernel turns pairs in ``layout``
+    ("half": ``rotate_half``; "interleaved": ``(x[2i], x[2i+1])``)."""
     rotary = cos.shape[-1]
-    if rotary < q.shape[-1]:  # partial rotary (Phi-3): the first features turn, the rest pass through
-        q_rot, k_rot = _rope_half_split(q[..., :rotary], k[..., :rotary], cos, sin)
+    if rotary < q.shape[-1]:  # partial rotary (Phi-3, GLM-4): the first features turn, the rest pass through
+        q_rot, k_rot = _rope_kernel(q[..., :rotary], k[..., :rotary], cos, sin, layout)
         return torch.cat((q_rot, q[..., rotary:]), dim=-1), torch.cat((k_rot, k[..., rotary:]), dim=-1)
     # HF computes cos/sin once per forward and hands the same tensors to every layer: convert them once too
     cached = getattr(_state, "rope_tables", None)
@@ -122,17 +132,17 @@ def _rope_half_split(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
         cached = _state.rope_tables = (cos, sin, cos_table, sin_table, rows)
     cos_table, sin_table, rows = cached[2:]
     # one launch for q and k, also when k has fewer heads (GQA)
-    return _kernels().apply_rope(q, k, rows, cos=cos_table, sin=sin_table, check_positions=False, layout="half")
+    return _kernels().apply_rope(q, k, rows, cos=cos_table, sin=sin_table, check_positions=False, layout=layout)
 
 
-def _rotary_dispatch(module_name: str):
+def _rotary_dispatch(module_name: str, layout: str):
     original = _ORIGINAL_ROTARY[module_name]
 
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         # only inside a patched attention forward, and only for HF's default [b, heads, s, d] layout
         unsqueeze_dim = args[0] if args else kwargs.get("unsqueeze_dim", 1)
         if getattr(_state, "depth", 0) and unsqueeze_dim == 1 and q.dim() == 4:
-            return _rope_half_split(q, k, cos, sin)
+            return _rope_kernel(q, k, cos, sin, layout)
         return original(q, k, cos, sin, *args, **kwargs)
 
     apply_rotary_pos_emb.tritonlm_dispatch = True
@@ -343,7 +353,11 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, *args, labels=
     if shift_labels is None:
         # HF's causal-LM loss: position t predicts labels[t + 1]; the last position has no target
         shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
-    cap = getattr(self.config, "final_logit_softcapping", None)  # (Gemma 2 / 3: through the fused loss too)
+    # the family's logit transform (Gemma 2 / 3's final softcap, Granite's divisor): through the fused loss too
+    logit_transform = family(self.config.model_type).kernels.logits(self.config)
+    cap, divisor = logit_transform.get("softcap"), logit_transform.get("divisor")
+    if divisor is not None and divisor != 1.0:
+        hidden = hidden / divisor  # (logits / s = (hidden / s) W^T)
     loss = _kernels().linear_cross_entropy(hidden, self.lm_head.weight, shift_labels.to(hidden.device),
                                            ignore_index=-100, reduction="sum" if num_items else "mean", softcap=cap)
     if num_items:
@@ -406,13 +420,13 @@ def _rotary_module(module):
     return name, modeling
 
 
-def _install_rotary_dispatch(name: str, modeling) -> None:
+def _install_rotary_dispatch(name: str, modeling, layout: str) -> None:
     """Route the modeling module's ``apply_rotary_pos_emb`` through :func:`_rotary_dispatch` (once; it calls the
     original outside patched attention layers, so unpatched models in the process are unaffected)."""
     current = modeling.apply_rotary_pos_emb
     if not getattr(current, "tritonlm_dispatch", False):
         _ORIGINAL_ROTARY[name] = current
-        modeling.apply_rotary_pos_emb = _rotary_dispatch(name)
+        modeling.apply_rotary_pos_emb = _rotary_dispatch(name, layout)
 
 
 def _patch(module, forward, tag: str) -> None:
@@ -430,38 +444,37 @@ def _register_experts() -> None:
 
 def apply_kernels(model, rms_norm: bool = True, rope: bool = True, swiglu: bool = True, attention: bool = True,
                   loss: bool = True, moe: bool = True):
-    """Patch a Hugging Face model instance of one of :data:`MODEL_TYPES` (``*ForCausalLM`` or the bare
-    ``*Model``) in place with tritonlm's kernels and return it. See the module docstring for what each switch replaces;
-    :func:`remove_kernels` restores the model. The kernels need CUDA tensors (or ``TRITON_INTERPRET=1``).
+    """Patch a Hugging Face model instance of a family in :data:`tritonlm.hf.SUPPORTED_MODELS` (``*ForCausalLM`` or
+    the bare ``*Model``) in place with tritonlm's kernels and return it. See the module docstring for what each
+    switch replaces; :func:`remove_kernels` restores the model. The kernels need CUDA tensors (or
+    ``TRITON_INTERPRET=1``).
 
     Atomic: every check runs before anything is patched, so an error leaves the model as it was. Idempotent:
     applying again patches the same forwards again, and :func:`remove_kernels` still restores the attention
     implementation the model had before the first call."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    if model_type not in MODEL_TYPES:
-        raise ValueError(f"apply_kernels supports {', '.join(MODEL_TYPES)} models, got model_type={model_type!r}")
+    known = families()
+    if model_type not in known:
+        raise ValueError(f"apply_kernels supports {', '.join(known)} models, got model_type={model_type!r}")
+    record = known[model_type]
+    targets = record.kernels
+    if targets is None:
+        raise ValueError(f"apply_kernels has no kernel targets for model_type {record.model_type!r}")
     act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
-    if swiglu and act not in ("silu", "swish", "gelu_pytorch_tanh"):
+    if swiglu and targets.mlps and act not in ("silu", "swish", "gelu_pytorch_tanh"):
         raise ValueError(f"swiglu=True needs hidden_act 'silu' (SwiGLU) or 'gelu_pytorch_tanh' (GeGLU), got {act!r}")
-    mlp_forward = _geglu_mlp_forward if act == "gelu_pytorch_tanh" else _mlp_forward
     if loss and not hasattr(model, "lm_head"):
         raise ValueError("loss=True needs a *ForCausalLM model (with lm_head); pass loss=False for a bare model")
     # stage 1: find every module to patch and check it (nothing is changed yet)
     plan, rotary = [], {}
     for module in model.modules():
         name = type(module).__name__
-        if rms_norm and name in _FP32_PRODUCT_NORMS:
-            plan.append((module, _fp32_product_rms_norm_forward, "rms_norm"))
-        elif rms_norm and name.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
-            plan.append((module, _rms_norm_forward, "rms_norm"))
-        elif rms_norm and name in _OFFSET_NORMS:
-            plan.append((module, _offset_rms_norm_forward, "rms_norm"))
-        elif swiglu and name.endswith("MLP") and all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj")):
-            plan.append((module, mlp_forward, "swiglu"))
-        elif swiglu and name == "Phi3MLP" and act in ("silu", "swish"):
-            plan.append((module, _fused_gate_up_mlp_forward, "swiglu"))
-        elif moe and name.endswith("Experts") and hasattr(module, "down_proj"):
+        if rms_norm and name in targets.norms:
+            plan.append((module, _NORM_FORWARDS[targets.norms[name]], "rms_norm"))
+        elif swiglu and name in targets.mlps:
+            plan.append((module, _MLP_FORWARDS[targets.mlps[name]](), "swiglu"))
+        elif moe and name in targets.experts:
             if not _stacked_experts(module):
                 raise NotImplementedError(f"moe=True: {name} does not hold its experts stacked (gate_up_proj [E, 2I, "
                                           "H], down_proj [E, H, I]: transformers >= 5); pass moe=False")
@@ -469,7 +482,7 @@ def apply_kernels(model, rms_norm: bool = True, rope: bool = True, swiglu: bool 
                 raise ValueError(f"moe=True: hidden_act {module.config.hidden_act!r} is not one of "
                                  f"{sorted(_MOE_ACTIVATIONS)}")
             plan.append((module, _experts_forward, "moe"))
-        elif rope and name.endswith("Attention") and (hasattr(module, "q_proj") or hasattr(module, "qkv_proj")):
+        elif rope and name in targets.attention:
             modeling_name, modeling = _rotary_module(module)
             rotary[modeling_name] = modeling
             plan.append((module, _attention_forward, "rope"))
@@ -479,7 +492,7 @@ def apply_kernels(model, rms_norm: bool = True, rope: bool = True, swiglu: bool 
         _register_experts()
     # stage 2: patch
     for modeling_name, modeling in rotary.items():
-        _install_rotary_dispatch(modeling_name, modeling)
+        _install_rotary_dispatch(modeling_name, modeling, targets.rope_layout)
     for module, forward, tag in plan:
         _patch(module, forward, tag)
     if attention:
