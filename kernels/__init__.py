@@ -25,6 +25,7 @@ from .swiglu import SwiGLUGateFunction, geglu_gate, swiglu_gate  # noqa: E402
 from .rope import RoPEFunction, apply_rope, rope_tables  # noqa: E402
 from .cross_entropy_loss import CrossEntropyFunction, cross_entropy  # noqa: E402
 from .linear_cross_entropy_loss import LinearCrossEntropyFunction, linear_cross_entropy  # noqa: E402
+from . import registrations  # noqa: E402,F401  (the single-file ops' registrations: kernels/_registry.py)
 from .attention import (  # noqa: E402
     FlashAttention,
     FlashAttentionTorch,

@@ -10,9 +10,14 @@ files:
   it for sm_90 / sm_80;
 - ``bench/ops_suite.py`` times each op's :class:`BenchCase` beside its reference and the third-party baselines, or
   names the GPU-suite section that measures it (``bench_section``);
-- ``reference`` names the op's readable PyTorch twin (resolved lazily: ``kernels/`` imports nothing above it).
+- ``reference`` names the op's readable PyTorch twin (resolved lazily: ``kernels/`` imports nothing above it); the
+  op suite's "reference" rows run that twin;
+- the tests read ``opcheck_cases`` (``torch.library.opcheck`` on every custom op the op defines) and
+  ``double_backward_cases`` (every autograd Function refuses ``create_graph=True``), so a new op cannot be left
+  out of them.
 
-Adding an op: its kernel file, one ``register`` call at its end, its tests (CONTRIBUTING.md, "Adding a kernel").
+A single-file op keeps its :class:`Tunable` beside its launcher and registers in ``kernels/registrations/<op>.py``;
+an op package (``attention/``, ``moe/``) in its ``registration.py``. Adding an op: CONTRIBUTING.md, "Adding a kernel".
 """
 
 from __future__ import annotations
@@ -97,6 +102,10 @@ class Op:
     bench_case: Callable[[int, int, torch.device, torch.dtype], BenchCase] | None = None
     bench_section: str | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    #: ``{custom op name: [argument tuples]}``: small CPU calls of each ``torch.ops.tritonlm`` op this op defines
+    opcheck_cases: Callable[[], dict[str, list[tuple]]] | None = None
+    #: ``[(name, output, inputs)]``: one call per autograd Function entry point, on small inputs that require grad
+    double_backward_cases: Callable[[], list[tuple[str, torch.Tensor, list[torch.Tensor]]]] | None = None
 
     def reference_twin(self):
         """The readable PyTorch twin (a function or module class), imported on request."""

@@ -26,7 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _registry
 from ._common import (
     as_rows,
     check_device,
@@ -351,29 +350,3 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: 
     if reduction == "none":
         loss, z_term = loss.view(targets.shape), z_term.view(targets.shape)
     return (loss, z_term) if return_z_loss else loss
-
-
-# ----------------------------------------------------------------------------------------------------
-# registration: what the SASS report and the GPU suite need (kernels/_registry.py)
-# ----------------------------------------------------------------------------------------------------
-def _sass_cases(quick: bool) -> list[_registry.SassCase]:
-    """Loss and gradient of a chunk of logits in one kernel: 4096 tokens x GPT-2's vocab."""
-    rows, cases = _registry.SASS_ROWS, []
-    for dtype in _registry.SASS_DTYPES[:1] if quick else _registry.SASS_DTYPES:
-        meta = torch.device("meta")
-        # as linear_cross_entropy lays out a chunk: rows padded to a multiple of 16 elements
-        logits = torch.empty(rows, 50272, dtype=dtype, device=meta)[:, :50257]
-        targets = torch.empty(rows, dtype=torch.int64, device=meta)
-        scale = torch.empty(1, dtype=torch.float32, device=meta)
-        cases.append(_registry.SassCase(
-            f"{rows}x50257 {_registry.dtype_label(dtype)}",
-            lambda lg=logits, t=targets, sc=scale: cross_entropy_rows(lg, t, grad=lg, grad_scale=sc),
-            (_registry.SassLaunch("cross_entropy.fwd+grad"),),
-            bytes_moved=3 * _registry.nbytes(logits)))  # two reads of the logits, one write of the gradient
-    return cases
-
-
-_registry.register(_registry.Op(
-    name="cross_entropy", entry_points=("cross_entropy", "CrossEntropyFunction"),
-    reference="tritonlm.modules.functional.cross_entropy", sass_cases=_sass_cases, bench_section="lm_head_loss",
-    notes=("one launch rule (GPU_CONFIG), not tuned",)))

@@ -42,7 +42,6 @@ import contextlib
 import torch
 import triton
 
-from . import _registry
 from ._common import check_device, check_float, first_order_backward
 from ._ranges import kernel_range
 from .cross_entropy_loss import check_loss_options, cross_entropy_rows, mean_scale, reduce_loss
@@ -304,10 +303,3 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     if reduction == "none":
         loss, z_term = loss.view(targets.shape), z_term.view(targets.shape)
     return (loss, z_term) if return_z_loss else loss
-
-
-# registration (kernels/_registry.py): no kernel of its own (cuBLAS matmuls around cross_entropy's row kernel, whose
-# SASS the report covers); the GPU suite's "lm_head_loss" section times it against eager, Liger and CCE
-_registry.register(_registry.Op(
-    name="linear_cross_entropy", entry_points=("linear_cross_entropy", "LinearCrossEntropyFunction"),
-    reference="tritonlm.modules.reference.lm_head_loss", bench_section="lm_head_loss"))

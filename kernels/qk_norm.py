@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common, _registry
+from . import _common
 from ._common import as_rows, first_order_backward, next_pow2, use_custom_op
 from ._ranges import kernel_range
 from .rmsnorm import _column_sum_config, _column_sum_kernel, _offset, _row_block_bwd, rms_norm
@@ -230,48 +230,3 @@ def qk_rms_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weig
         return (rms_norm(q, q_weight, eps, weight_offset=weight_offset),
                 rms_norm(k, k_weight, eps, weight_offset=weight_offset))
     return QKNormFunction.apply(q, k, q_weight, k_weight, float(eps), float(weight_offset))
-
-
-# ----------------------------------------------------------------------------------------------------
-# registration: what the SASS report, the sweep and the op suite need (kernels/_registry.py)
-# ----------------------------------------------------------------------------------------------------
-def _sass_cases(quick: bool) -> list[_registry.SassCase]:
-    """Qwen3-8B's q/k norms on 4096 tokens: 32 q heads and 8 k heads of 128 (bf16)."""
-    meta = torch.device("meta")
-    q = torch.empty(4096 * 32, 128, dtype=torch.bfloat16, device=meta)
-    k = torch.empty(4096 * 8, 128, dtype=torch.bfloat16, device=meta)
-    w = torch.empty(128, dtype=torch.bfloat16, device=meta)
-    rstd = torch.empty(4096 * 40, dtype=torch.float32, device=meta)
-    case = "4096 tokens x (32 q + 8 k heads) x 128 bf16"
-    L = _registry.SassLaunch
-    return [_registry.SassCase(case, lambda: qk_norm_forward(q, k, w, w, 1e-6), (L("qk_norm.fwd"),)),
-            _registry.SassCase(case, lambda: qk_norm_backward(q, k, q, k, w, w, rstd), (L("qk_norm.bwd"),))]
-
-
-def _bench_case(rows: int, hidden: int, device: torch.device, dtype: torch.dtype) -> _registry.BenchCase:
-    """q/k norms of ``rows`` tokens with hidden/128 q heads and a quarter as many k heads of 128: one launch vs two
-    ``rms_norm`` calls."""
-    heads = max(4, hidden // 128)
-    q = torch.randn(rows, heads, 128, device=device, dtype=dtype, requires_grad=True)
-    k = torch.randn(rows, heads // 4, 128, device=device, dtype=dtype, requires_grad=True)
-    wq, wk = (torch.ones(128, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
-    n = _registry.nbytes(q) + _registry.nbytes(k)
-
-    def joined(impl):
-        return lambda q, k, wq, wk: torch.cat([t.flatten() for t in impl(q, k, wq, wk)])
-
-    def reference(x, w):
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()).to(x.dtype)
-
-    return _registry.BenchCase(
-        {"reference": joined(lambda q, k, wq, wk: (reference(q, wq), reference(k, wk))),
-         "two rms_norm calls": joined(lambda q, k, wq, wk: (rms_norm(q, wq, 1e-6), rms_norm(k, wk, 1e-6))),
-         "tritonlm": joined(lambda q, k, wq, wk: qk_rms_norm(q, k, wq, wk, 1e-6))},
-        (q, k, wq, wk), {"fwd": 2 * n, "bwd": 3 * n})
-
-
-_registry.register(_registry.Op(
-    name="qk_norm", entry_points=("qk_rms_norm", "QKNormFunction"), reference="tritonlm.modules.reference.RMSNorm",
-    sass_cases=_sass_cases, bench_case=_bench_case,
-    notes=("one launch for a layer's q and k norms (Qwen3, Gemma 3 heads; OLMo 2 projections)",)))

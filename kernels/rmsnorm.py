@@ -265,6 +265,17 @@ def _launch_config(n_cols: int, dtype: torch.dtype | None = None, device: torch.
     return cfg
 
 
+#: The rows-in-registers launch a tuned table may replace, and the sweep's alternatives to the shipped one.
+TUNABLE = _registry.Tunable(
+    "rms_norm", ("BLOCK_M", "num_warps", "ROW_STAGES"),
+    (dict(BLOCK_M=1, num_warps=4), dict(BLOCK_M=1, num_warps=8), dict(BLOCK_M=2, num_warps=8),
+     dict(BLOCK_M=4, num_warps=8), dict(BLOCK_M=4, num_warps=16),
+     # the backward's row pipeline: off, and one block deeper
+     dict(ROW_STAGES=1), dict(ROW_STAGES=3)),
+    lambda key, device, dtype: {k: v for k, v in _launch_config(int(key.split("-n")[1]), dtype).items()
+                                if k in ("BLOCK_M", "num_warps", "ROW_STAGES")})
+
+
 def _column_sum_config(n_cols: int) -> dict:
     """The dweight reduction over the backward's per-program partial rows: at least ~16 column blocks so the sum
     runs on many SMs (one CTA summing a whole d_model row of partials is latency-bound), each reading
@@ -480,107 +491,3 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         raise TypeError(f"add_rms_norm: residual is {residual.dtype} but x is {x.dtype}")
     check_device("add_rms_norm", x, residual, weight)
     return AddRMSNormFunction.apply(x, residual, weight, eps, float(weight_offset))
-
-
-# ----------------------------------------------------------------------------------------------------
-# registration: what the SASS report, the sweep and the op suite need (kernels/_registry.py)
-# ----------------------------------------------------------------------------------------------------
-def _sass_cases(quick: bool, add: bool = False) -> list[_registry.SassCase]:
-    """RMSNorm (``add``: the fused residual add + RMSNorm) forward and backward on 4096 rows."""
-    cases = []
-    for dtype, hidden in _registry.sass_shapes(quick):
-        meta = torch.device("meta")
-        x = torch.empty(_registry.SASS_ROWS, hidden, dtype=dtype, device=meta)
-        w = torch.empty(hidden, dtype=dtype, device=meta)
-        rstd = torch.empty(_registry.SASS_ROWS, dtype=torch.float32, device=meta)
-        case = f"{_registry.SASS_ROWS}x{hidden} {_registry.dtype_label(dtype)}"
-        L = _registry.SassLaunch
-        if add:
-            cases += [
-                _registry.SassCase(case, lambda x=x, w=w: add_rms_norm_forward(x, x, w, 1e-5), (L("add_rmsnorm.fwd"),)),
-                _registry.SassCase(case, lambda x=x, w=w, r=rstd: rms_norm_backward(x, x, w, r, x),
-                                   (L("add_rmsnorm.bwd"),))]
-        else:
-            cases += [
-                _registry.SassCase(case, lambda x=x, w=w: rms_norm_forward(x, w, 1e-5), (L("rmsnorm.fwd"),)),
-                _registry.SassCase(case, lambda x=x, w=w, r=rstd: rms_norm_backward(x, x, w, r),
-                                   (L("rmsnorm.bwd"), L("rmsnorm.dw_reduce", 1)))]
-    return cases
-
-
-def _sweep_cases(device: torch.device, smoke: bool) -> list[_registry.SweepCase]:
-    """RMSNorm forward + backward over 16K rows (smoke: 64) of hidden 768 and 4096 (smoke: 256)."""
-    dtype = torch.float32 if smoke else torch.bfloat16
-    cases = []
-    for n_cols in ((256,) if smoke else (768, 4096)):
-        rows = 64 if smoke else 16384
-
-        def step(n_cols=n_cols, rows=rows):
-            x = torch.randn(rows, n_cols, device=device, dtype=dtype, requires_grad=True)
-            w = torch.ones(n_cols, device=device, dtype=dtype, requires_grad=True)
-            grad = torch.randn(rows, n_cols, device=device, dtype=dtype)
-
-            def run():
-                y = rms_norm(x, w)
-                return (y, *torch.autograd.grad(y, (x, w), grad))
-            return run
-
-        block_n = next_pow2(n_cols)
-        fitting = tuple(c for c in _SWEEP_CANDIDATES if c.get("BLOCK_M", 1) * block_n <= 16384)
-        cases.append(_registry.SweepCase("rms_norm", f"{tuned.dtype_name(dtype)}-n{block_n}", step, fitting))
-    return cases
-
-
-def _reference_rms_norm(x, w, eps=1e-5):
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
-
-
-def _bench_case(rows: int, hidden: int, device: torch.device, dtype: torch.dtype) -> _registry.BenchCase:
-    x = torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True)
-    w = torch.ones(hidden, device=device, dtype=dtype, requires_grad=True)
-    n = _registry.nbytes(x)
-    return _registry.BenchCase(
-        {"reference": _reference_rms_norm,
-         "torch F.rms_norm": lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-5),
-         "tritonlm": lambda x, w: rms_norm(x, w, 1e-5)},
-        (x, w), {"fwd": 2 * n, "bwd": 3 * n}, liger="rmsnorm")
-
-
-def _reference_add_rms_norm(x, r, w):
-    h = x + r
-    return _reference_rms_norm(h, w) + h  # one output for the timing loop: both results flow back
-
-
-def _add_bench_case(rows: int, hidden: int, device: torch.device, dtype: torch.dtype) -> _registry.BenchCase:
-    x, r = (torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
-    w = torch.ones(hidden, device=device, dtype=dtype, requires_grad=True)
-    n = _registry.nbytes(x)
-
-    def ours(x, r, w):
-        y, h = add_rms_norm(x, r, w, 1e-5)
-        return y + h
-
-    # fwd reads x, r and writes y, h; bwd reads dy, dh (one upstream gradient here: y + h summed), h, writes dx
-    # (the same tensor serves the residual)
-    return _registry.BenchCase({"reference": _reference_add_rms_norm, "tritonlm": ours}, (x, r, w),
-                               {"fwd": 4 * n, "bwd": 4 * n})
-
-
-#: Sweep alternatives to the shipped rows-per-program and warps (rows held in registers).
-_SWEEP_CANDIDATES = (dict(BLOCK_M=1, num_warps=4), dict(BLOCK_M=1, num_warps=8), dict(BLOCK_M=2, num_warps=8),
-                     dict(BLOCK_M=4, num_warps=8), dict(BLOCK_M=4, num_warps=16),
-                     # the backward's row pipeline: off, and one block deeper
-                     dict(ROW_STAGES=1), dict(ROW_STAGES=3))
-
-_registry.register(_registry.Op(
-    name="rmsnorm", entry_points=("rms_norm", "RMSNormFunction"), reference="tritonlm.modules.reference.RMSNorm",
-    tunables=(_registry.Tunable(
-        "rms_norm", ("BLOCK_M", "num_warps", "ROW_STAGES"), _SWEEP_CANDIDATES,
-        lambda key, device, dtype: {k: v for k, v in _launch_config(int(key.split("-n")[1]), dtype).items()
-                                    if k in ("BLOCK_M", "num_warps", "ROW_STAGES")}),),
-    sass_cases=_sass_cases, sweep_cases=_sweep_cases, bench_case=_bench_case))
-_registry.register(_registry.Op(
-    name="add_rmsnorm", entry_points=("add_rms_norm", "AddRMSNormFunction"),
-    reference="tritonlm.modules.reference.RMSNorm", sass_cases=lambda quick: _sass_cases(quick, add=True), bench_case=_add_bench_case,
-    notes=("launches with the rms_norm tunable's configuration",)))

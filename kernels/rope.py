@@ -169,6 +169,15 @@ def _launch_config(d_head: int, dtype: torch.dtype | None = None, device: torch.
     return tuned.choose("rope", f"{tuned.dtype_name(dtype)}-d{block_d}", device, cfg)
 
 
+#: The launch a tuned table may replace, with the sweep's alternatives (``HEADS`` 32: every q head of a 32-head layer).
+TUNABLE = _registry.Tunable(
+    "rope", ("BLOCK_S", "HEADS", "num_warps"),
+    (dict(HEADS=1), dict(HEADS=4), dict(HEADS=8), dict(HEADS=32), dict(BLOCK_S=16, HEADS=8, num_warps=4),
+     dict(BLOCK_S=64, HEADS=2, num_warps=8)),
+    lambda key, device, dtype: {k: v for k, v in _launch_config(int(key.split("-d")[1]), dtype).items()
+                                if k in ("BLOCK_S", "num_warps")})
+
+
 def _heads_per_program(device: torch.device, programs_one_head: int, n_heads: int) -> int:
     """The most heads (a power of two, at most 8) a program can take while the grid keeps about four programs per
     SM: memory-bound, the kernel needs them in flight more than it needs fewer table loads."""
@@ -315,75 +324,3 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor | None = None, token_positions: 
             raise ValueError(f"token position out of range [0, {cos.shape[0]}): saw {lo if lo < 0 else hi}")
     q_out, k_out = RoPEFunction.apply(q, k, cos, sin, token_positions, layout == "half")
     return q_out if k is None else (q_out, k_out)
-
-
-# ----------------------------------------------------------------------------------------------------
-# registration: what the SASS report, the sweep and the op suite need (kernels/_registry.py)
-# ----------------------------------------------------------------------------------------------------
-def _sass_cases(quick: bool) -> list[_registry.SassCase]:
-    """q and k together on the ``[batch, heads, seq, d]`` view of a ``[batch, seq, heads*d]`` projection."""
-    cases = []
-    for dtype in _registry.SASS_DTYPES[:1] if quick else _registry.SASS_DTYPES:
-        for d in ([128] if quick else [64, 128]):
-            heads, seq = 4096 // d, 4096
-            meta = torch.device("meta")
-            q = torch.empty(1, seq, heads * d, dtype=dtype, device=meta).unflatten(-1, (heads, d)).transpose(1, 2)
-            cos = torch.empty(seq, d // 2, dtype=torch.float32, device=meta)
-            pos = torch.empty(seq, dtype=torch.int64, device=meta)
-            cases.append(_registry.SassCase(
-                f"q,k 1x{seq}x{heads}x{d} {_registry.dtype_label(dtype)}",
-                lambda q=q, cos=cos, pos=pos: rope_forward(q, q, cos, cos, pos), (_registry.SassLaunch("rope.fwd"),),
-                bytes_moved=4 * _registry.nbytes(q) + 2 * _registry.nbytes(cos) + _registry.nbytes(pos)))
-    return cases
-
-
-def _sweep_cases(device: torch.device, smoke: bool) -> list[_registry.SweepCase]:
-    """RoPE on q and k, ``[4, 32, 4096, 128]`` (smoke: ``[1, 2, 32, 16]``)."""
-    dtype = torch.float32 if smoke else torch.bfloat16
-    d = 16 if smoke else 128
-
-    def step():
-        b, h, n = (1, 2, 32) if smoke else (4, 32, 4096)
-        q, k = (torch.randn(b, h, n, d, device=device, dtype=dtype) for _ in range(2))
-        cos, sin = rope_tables(10000.0, d, n, device)
-        pos = torch.arange(n, device=device)
-        return lambda: apply_rope(q, k, pos, cos=cos, sin=sin, check_positions=False)
-
-    return [_registry.SweepCase("rope", f"{tuned.dtype_name(dtype)}-d{d}", step, _SWEEP_CANDIDATES)]
-
-
-def _reference_rope(x, cos, sin):
-    """Interleaved pairs ``(x0, x1)`` rotated by the table's angle, written out in PyTorch."""
-    n = x.shape[-2]
-    pairs = x.float().unflatten(-1, (-1, 2))
-    c, s = cos[:n], sin[:n]
-    even, odd = pairs[..., 0], pairs[..., 1]
-    return torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2).to(x.dtype)
-
-
-def _bench_case(rows: int, hidden: int, device: torch.device, dtype: torch.dtype) -> _registry.BenchCase:
-    """q and k as ``[1, heads, rows, 128]`` views of ``[1, rows, heads*128]`` (d 16 for tiny hidden sizes)."""
-    d = 128 if hidden >= 128 else 16
-    heads = max(1, hidden // d)
-    cos, sin = rope_tables(10000.0, d, rows, device)
-    q, k = (torch.randn(1, rows, heads * d, device=device, dtype=dtype).unflatten(-1, (heads, d)).transpose(1, 2)
-            .requires_grad_() for _ in range(2))
-    qn = _registry.nbytes(q)
-    # the cat copies both outputs in every implementation; counted as traffic for all alike
-    return _registry.BenchCase(
-        {"reference": lambda q, k: torch.cat([_reference_rope(q, cos, sin), _reference_rope(k, cos, sin)]),
-         "tritonlm": lambda q, k: torch.cat(apply_rope(q, k, None, cos=cos, sin=sin))},
-        (q, k), {"fwd": 6 * qn, "bwd": 6 * qn}, liger="rope", liger_args=(cos, sin, dtype))
-
-
-_SWEEP_CANDIDATES = (dict(HEADS=1), dict(HEADS=4), dict(HEADS=8), dict(HEADS=32),  # 32: every q head of a 32-head layer
-                     dict(BLOCK_S=16, HEADS=8, num_warps=4), dict(BLOCK_S=64, HEADS=2, num_warps=8))
-
-_registry.register(_registry.Op(
-    name="rope", entry_points=("apply_rope", "RoPEFunction", "rope_tables"),
-    reference="tritonlm.modules.reference.RotaryPositionalEmbedding",
-    tunables=(_registry.Tunable(
-        "rope", ("BLOCK_S", "HEADS", "num_warps"), _SWEEP_CANDIDATES,
-        lambda key, device, dtype: {k: v for k, v in _launch_config(int(key.split("-d")[1]), dtype).items()
-                                    if k in ("BLOCK_S", "num_warps")}),),
-    sass_cases=_sass_cases, sweep_cases=_sweep_cases, bench_case=_bench_case))

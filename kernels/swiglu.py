@@ -89,6 +89,14 @@ def _launch_config(a: torch.Tensor, activation: str = "silu") -> dict:
     return tuned.choose(TUNED_NAME[activation], tuned.dtype_name(a.dtype), a.device, dict(BLOCK=BLOCK, num_warps=4))
 
 
+#: The gates' launches a tuned table may replace (one per activation), with the sweep's alternatives.
+TUNABLES = {name: _registry.Tunable(name, ("BLOCK", "num_warps"),
+                                    (dict(BLOCK=2048, num_warps=4), dict(BLOCK=2048, num_warps=8),
+                                     dict(BLOCK=4096, num_warps=8), dict(BLOCK=512, num_warps=4)),
+                                    lambda key, device, dtype: dict(BLOCK=BLOCK, num_warps=4))
+            for name in ("swiglu", "geglu")}
+
+
 def swiglu_forward(a: torch.Tensor, b: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     a, b = _flat(a), _flat(b)
     h = torch.empty_like(a)
@@ -188,59 +196,3 @@ def geglu_gate(gate: torch.Tensor, up: torch.Tensor, *, approximate: str = "tanh
     if approximate not in ("tanh", "none"):
         raise ValueError(f"geglu_gate: approximate must be 'tanh' or 'none', got {approximate!r}")
     return _gate("geglu_gate", gate, up, inplace_backward, "gelu_tanh" if approximate == "tanh" else "gelu")
-
-
-# ----------------------------------------------------------------------------------------------------
-# registration: what the SASS report, the sweep and the op suite need (kernels/_registry.py)
-# ----------------------------------------------------------------------------------------------------
-def _sass_cases(quick: bool, activation: str = "silu") -> list[_registry.SassCase]:
-    label = "swiglu" if activation == "silu" else "geglu"
-    cases = []
-    for dtype, hidden in _registry.sass_shapes(quick):
-        x = torch.empty(_registry.SASS_ROWS, hidden, dtype=dtype, device="meta")
-        case = f"{_registry.SASS_ROWS}x{hidden} {_registry.dtype_label(dtype)}"
-        cases += [_registry.SassCase(case, lambda x=x: swiglu_forward(x, x, activation),
-                                     (_registry.SassLaunch(f"{label}.fwd"),)),
-                  _registry.SassCase(case, lambda x=x: swiglu_backward(x, x, x, activation=activation),
-                                     (_registry.SassLaunch(f"{label}.bwd"),))]
-    return cases
-
-
-def _sweep_cases(device: torch.device, smoke: bool, activation: str = "silu") -> list[_registry.SweepCase]:
-    """The gate of a Llama-7B FFN's worth of tokens: 8K x 11008 (smoke: 64 x 96)."""
-    dtype = torch.float32 if smoke else torch.bfloat16
-
-    def step():
-        shape = (64, 96) if smoke else (8192, 11008)
-        a, b = (torch.randn(shape, device=device, dtype=dtype) for _ in range(2))
-        return lambda: SwiGLUGateFunction.apply(a, b, False, activation)
-
-    return [_registry.SweepCase(TUNED_NAME[activation], tuned.dtype_name(dtype), step, _SWEEP_CANDIDATES)]
-
-
-_REFERENCES = {"silu": lambda a, b: a * torch.sigmoid(a) * b,
-               "gelu_tanh": lambda a, b: torch.nn.functional.gelu(a, approximate="tanh") * b}
-
-
-def _bench_case(rows: int, hidden: int, device: torch.device, dtype: torch.dtype,
-                activation: str = "silu") -> _registry.BenchCase:
-    a, b = (torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
-    n = _registry.nbytes(a)
-    ours = swiglu_gate if activation == "silu" else geglu_gate
-    return _registry.BenchCase({"reference": _REFERENCES[activation], "tritonlm": ours}, (a, b),
-                               {"fwd": 3 * n, "bwd": 5 * n}, liger="swiglu" if activation == "silu" else "geglu")
-
-
-_SWEEP_CANDIDATES = (dict(BLOCK=2048, num_warps=4), dict(BLOCK=2048, num_warps=8), dict(BLOCK=4096, num_warps=8),
-                     dict(BLOCK=512, num_warps=4))
-
-for _name, _activation_name, _entry, _twin in (("swiglu", "silu", "swiglu_gate", "SwiGLU"),
-                                               ("geglu", "gelu_tanh", "geglu_gate", "GeGLU")):
-    _registry.register(_registry.Op(
-        name=_name, entry_points=(_entry, "SwiGLUGateFunction") if _name == "swiglu" else (_entry,),
-        reference=f"tritonlm.modules.reference.{_twin}",
-        tunables=(_registry.Tunable(_name, ("BLOCK", "num_warps"), _SWEEP_CANDIDATES,
-                                    lambda key, device, dtype: dict(BLOCK=BLOCK, num_warps=4)),),
-        sass_cases=lambda quick, a=_activation_name: _sass_cases(quick, a),
-        sweep_cases=lambda device, smoke, a=_activation_name: _sweep_cases(device, smoke, a),
-        bench_case=lambda rows, hidden, device, dtype, a=_activation_name: _bench_case(rows, hidden, device, dtype, a)))

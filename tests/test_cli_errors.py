@@ -83,32 +83,20 @@ def test_bad_inputs_exit_2_with_one_line(files):
 
 def test_double_backward_is_a_clear_error_for_every_kernel_function():
     """The Triton backwards are first-order only: create_graph=True is refused up front instead of returning
-    gradients whose second-order terms would silently be missing (e.g. from a gradient penalty)."""
-    from tritonlm.kernels import (
-        FlashAttention,
-        FlashAttentionTorch,
-        add_rms_norm,
-        apply_rope,
-        cross_entropy,
-        linear_cross_entropy,
-        qk_rms_norm,
-        rms_norm,
-        swiglu_gate,
-    )
+    gradients whose second-order terms would silently be missing (e.g. from a gradient penalty). The calls come from
+    each op's registration, and every op with an autograd Function entry point must declare some."""
+    from tritonlm.kernels import _registry
 
-    x = torch.randn(4, 8, requires_grad=True)
-    w = torch.ones(8, requires_grad=True)
-    t = torch.tensor([0, 1, 2, 3])
-    q = torch.randn(1, 2, 5, 8, requires_grad=True)
-    outputs = {
-        "rms_norm": rms_norm(x, w), "add_rms_norm": add_rms_norm(x, x * 1.0, w)[0], "swiglu_gate": swiglu_gate(x, x),
-        "apply_rope": apply_rope(q), "FlashAttention": FlashAttention.apply(q, q, q, True),
-        "FlashAttentionTorch": FlashAttentionTorch.apply(q, q, q, True), "cross_entropy": cross_entropy(x, t),
-        "linear_cross_entropy": linear_cross_entropy(x, w[None].expand(3, 8).contiguous(), t % 3),
-        "qk_rms_norm": qk_rms_norm(x, x * 1.0, w, w)[0],
-    }
-    for name, out in outputs.items():
-        inputs = [x] if not name.startswith(("Flash", "apply")) else [q]
+    cases = []
+    for op in _registry.ops():
+        has_function = any(name.endswith("Function") for name in op.entry_points)
+        declared = op.double_backward_cases() if op.double_backward_cases else []
+        # (GeGLU shares SwiGLU's Function: its entry points name no Function of their own)
+        assert declared or not has_function, f"op {op.name!r} declares no double-backward case"
+        cases += declared
+    assert {"rms_norm", "add_rms_norm", "swiglu_gate", "apply_rope", "FlashAttention", "FlashAttentionTorch",
+            "cross_entropy", "linear_cross_entropy", "qk_rms_norm", "moe_experts"} <= {name for name, _, _ in cases}
+    for name, out, inputs in cases:
         with pytest.raises(RuntimeError, match="double backward"):  # refused when the graph would be built
             torch.autograd.grad(out.sum(), inputs, create_graph=True)
         (grad,) = torch.autograd.grad(out.sum(), inputs)  # a plain backward still works
@@ -148,53 +136,17 @@ def test_tokenizer_directory_keeps_its_special_tokens(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-def _opcheck_cases():
-    x, r, w = torch.randn(6, 40), torch.randn(6, 40), torch.randn(40)
-    rstd = torch.rand(6) + 0.5
-    q = torch.randn(2, 3, 9, 16)
-    strided = torch.randn(2, 3, 9, 32)[..., ::2]  # last dim strided: the launchers copy, the fakes must agree
-    lse = torch.randn(2, 3, 9)
-    cos, pos = torch.rand(64, 8), torch.arange(9)
-    logits, t, one = torch.randn(5, 11), torch.randint(0, 11, (5,)), torch.ones(1)
-    head = torch.randn(11, 40)
-    window = (True, 0.25, -1, -1, None, None, 0, 0)
-    return {
-        "rms_norm_fwd": [(x, w, 1e-5)], "rms_norm_bwd": [(x, x, w, rstd)],
-        # q/k norms of different row counts and widths (the fakes must agree on both outputs and rstd's length)
-        "qk_norm_fwd": [(x, q, w, torch.randn(16), 1e-6, 1.0)],
-        "qk_norm_bwd": [(x, q, x, q, w, torch.randn(16), torch.rand(6 + 2 * 3 * 9) + 0.5, 0.0)],
-        "add_rms_norm_fwd": [(x, r, w, 1e-5)], "add_rms_norm_bwd": [(x, x, x, w, rstd)],
-        "swiglu_fwd": [(x, r)], "swiglu_bwd": [(x, x, r)],
-        "rope": [(q, q, cos, cos, pos, False), (strided, None, cos, cos, pos, True)],
-        "flash_attention_fwd": [(q, q, q, *window), (strided, strided, strided, *window)],
-        "flash_attention_bwd": [(q, q, q, q, q, lse, *window)],
-        "cross_entropy_fwd": [(logits, t, -100, 0.1, 1e-3, None, one, True)],
-        "linear_cross_entropy_fwd": [(x, head, torch.randint(0, 11, (6,)), -100, 0.0, 0.0, 30.0, one, True, True,
-                                      torch.float32)],
-        "linear_cross_entropy_bwd": [(torch.rand(6), x, head, torch.randint(0, 11, (6,)), -100, 0.0, 0.0, None,
-                                      True, True, torch.float32)],
-        **_moe_cases(),
-    }
-
-
-def _moe_cases():
-    from tritonlm.kernels.moe import moe_forward
-
-    hidden, weights = torch.randn(7, 16), torch.rand(7, 2)
-    index = torch.tensor([[0, 2], [1, 2], [2, 0], [0, 1], [2, 1], [1, 0], [0, 2]])
-    gate_up, down = torch.randn(3, 24, 16), torch.randn(3, 16, 12)
-    _, pre, routing = moe_forward(hidden, index, weights, gate_up, down, "silu")
-    return {"moe_experts_fwd": [(hidden, index, weights, gate_up, down, "silu")],
-            "moe_experts_bwd": [(torch.randn(7, 16), hidden, weights, gate_up, down, pre, list(routing.tensors()),
-                                 "gelu_tanh")]}
-
-
 def test_opcheck_every_custom_op():
     """torch.library.opcheck on every tritonlm custom op (schema, fake implementation vs the real one, AOT
-    dispatch): what torch.compile relies on. The case table must cover every registered op."""
-    import tritonlm.kernels  # noqa: F401  (registers the ops)
+    dispatch): what torch.compile relies on. The cases come from the op registrations (``opcheck_cases``) and must
+    cover every custom op registered with torch."""
+    from tritonlm.kernels import _registry  # (importing the kernels registers the custom ops)
 
-    cases = _opcheck_cases()
+    cases = {}
+    for op in _registry.ops():
+        for name, arg_sets in (op.opcheck_cases() if op.opcheck_cases else {}).items():
+            assert name not in cases, f"custom op {name!r} has cases in two registrations"
+            cases[name] = arg_sets
     registered = {name for name in dir(torch.ops.tritonlm) if not name.startswith("_") and name != "name"}
     assert registered == set(cases), registered ^ set(cases)
     for name, arg_sets in cases.items():

@@ -261,6 +261,23 @@ _DECODE_CANDIDATES = (
 _FIELDS = (*_CONFIG_FIELDS, "TMA")
 _FWD_FIELDS = (*_FIELDS, "FOLD_SCALE")
 
+def _opcheck_cases() -> dict[str, list[tuple]]:
+    q, lse = torch.randn(2, 3, 9, 16), torch.randn(2, 3, 9)
+    strided = torch.randn(2, 3, 9, 32)[..., ::2]  # last dim strided: the launchers copy, the fakes must agree
+    window = (True, 0.25, -1, -1, None, None, 0, 0)
+    return {"flash_attention_fwd": [(q, q, q, *window), (strided, strided, strided, *window)],
+            "flash_attention_bwd": [(q, q, q, q, q, lse, *window)]}
+
+
+def _double_backward_cases():
+    from .launch import FlashAttention
+    from .torch_twin import FlashAttentionTorch
+
+    q = torch.randn(1, 2, 5, 8, requires_grad=True)
+    return [("FlashAttention", FlashAttention.apply(q, q, q, True), [q]),
+            ("FlashAttentionTorch", FlashAttentionTorch.apply(q, q, q, True), [q])]
+
+
 _registry.register(_registry.Op(
     name="attention", entry_points=("flash_attention", "FlashAttention", "flash_attn_func", "flash_attn_varlen_func",
                                     "flash_attn_with_kvcache"),
@@ -268,5 +285,6 @@ _registry.register(_registry.Op(
     tunables=(_registry.Tunable("attention_fwd", _FWD_FIELDS, _FWD_CANDIDATES, _shipped(_fwd_config)),
               _registry.Tunable("attention_bwd", _FIELDS, _BWD_CANDIDATES, _shipped(_bwd_config)),
               _registry.Tunable("attention_bwd_dq", _CONFIG_FIELDS, _DQ_CANDIDATES, _shipped(_bwd_dq_config))),
-    sass_cases=_sass_cases, sweep_cases=_sweep_cases, bench_section="attention",
+    sass_cases=_sass_cases, sweep_cases=_sweep_cases, bench_section="attention", opcheck_cases=_opcheck_cases,
+    double_backward_cases=_double_backward_cases,
     notes=("tiled PyTorch twin: FlashAttentionTorch", "variants timed in the GPU suite's attention_variants")))

@@ -108,9 +108,27 @@ def _shipped_row(kernel):
     return lambda key, device, dtype: _row_tile_config(kernel, dtype, device)
 
 
+def _opcheck_cases() -> dict[str, list[tuple]]:
+    hidden, weights = torch.randn(7, 16), torch.rand(7, 2)
+    index = torch.tensor([[0, 2], [1, 2], [2, 0], [0, 1], [2, 1], [1, 0], [0, 2]])
+    gate_up, down = torch.randn(3, 24, 16), torch.randn(3, 16, 12)
+    _, pre, routing = moe_forward(hidden, index, weights, gate_up, down, "silu")
+    return {"moe_experts_fwd": [(hidden, index, weights, gate_up, down, "silu")],
+            "moe_experts_bwd": [(torch.randn(7, 16), hidden, weights, gate_up, down, pre, list(routing.tensors()),
+                                 "gelu_tanh")]}
+
+
+def _double_backward_cases():
+    hidden = torch.randn(5, 16, requires_grad=True)
+    index, weights = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2], [1, 0]]), torch.rand(5, 2)
+    gate_up, down = torch.randn(3, 24, 16), torch.randn(3, 16, 12)
+    return [("moe_experts", moe_experts(hidden, index, weights, gate_up, down), [hidden])]
+
+
 _registry.register(_registry.Op(
     name="moe", entry_points=("moe_experts", "MoEExpertsFunction"), reference="tritonlm.modules.functional.moe_experts",
     tunables=tuple(_registry.Tunable(f"moe_{k}", _ROW_FIELDS, _ROW_CANDIDATES, _shipped_row(k)) for k in ROW_TILE_CONFIGS)
     + (_registry.Tunable("moe_weight_grad", ("BLOCK_M", "BLOCK_N", "BLOCK_R", "num_warps", "num_stages"),
                          _WEIGHT_GRAD_CANDIDATES, lambda key, device, dtype: _weight_grad_config(dtype, device)),),
-    sass_cases=_sass_cases, sweep_cases=_sweep_cases, bench_section="moe"))
+    sass_cases=_sass_cases, sweep_cases=_sweep_cases, bench_section="moe", opcheck_cases=_opcheck_cases,
+    double_backward_cases=_double_backward_cases))

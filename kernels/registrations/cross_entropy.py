@@ -1,0 +1,42 @@
+"""The cross-entropy row kernel's registration (kernels/_registry.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _registry
+from ..cross_entropy_loss import cross_entropy, cross_entropy_rows
+
+
+def _sass_cases(quick: bool) -> list[_registry.SassCase]:
+    """Loss and gradient of a chunk of logits in one kernel: 4096 tokens x GPT-2's vocab."""
+    rows, cases = _registry.SASS_ROWS, []
+    for dtype in _registry.SASS_DTYPES[:1] if quick else _registry.SASS_DTYPES:
+        meta = torch.device("meta")
+        # as linear_cross_entropy lays out a chunk: rows padded to a multiple of 16 elements
+        logits = torch.empty(rows, 50272, dtype=dtype, device=meta)[:, :50257]
+        targets = torch.empty(rows, dtype=torch.int64, device=meta)
+        scale = torch.empty(1, dtype=torch.float32, device=meta)
+        cases.append(_registry.SassCase(
+            f"{rows}x50257 {_registry.dtype_label(dtype)}",
+            lambda lg=logits, t=targets, sc=scale: cross_entropy_rows(lg, t, grad=lg, grad_scale=sc),
+            (_registry.SassLaunch("cross_entropy.fwd+grad"),),
+            bytes_moved=3 * _registry.nbytes(logits)))  # two reads of the logits, one write of the gradient
+    return cases
+
+
+def _opcheck_cases() -> dict[str, list[tuple]]:
+    logits, t, one = torch.randn(5, 11), torch.randint(0, 11, (5,)), torch.ones(1)
+    return {"cross_entropy_fwd": [(logits, t, -100, 0.1, 1e-3, None, one, True)]}
+
+
+def _double_backward_cases():
+    x = torch.randn(4, 8, requires_grad=True)
+    return [("cross_entropy", cross_entropy(x, torch.tensor([0, 1, 2, 3])), [x])]
+
+
+_registry.register(_registry.Op(
+    name="cross_entropy", entry_points=("cross_entropy", "CrossEntropyFunction"),
+    reference="tritonlm.modules.functional.cross_entropy", sass_cases=_sass_cases, bench_section="lm_head_loss",
+    opcheck_cases=_opcheck_cases, double_backward_cases=_double_backward_cases,
+    notes=("one launch rule (GPU_CONFIG), not tuned",)))
