@@ -110,9 +110,10 @@ def main() -> int:
                     "PYTHONUNBUFFERED": "1"}
         if on_gpu:
             env_vars.pop("TRITON_INTERPRET", None)
-        files = [str(REPO / "tests" / f"test_{name}.py")
-                 for name in ("rmsnorm", "rope", "swiglu", "flash_attention", "flash_attn_interface", "loss",
-                              "fused_model")]
+        files = [str(REPO / "tests" / folder / f"test_{name}.py")
+                 for folder, name in (("kernels", "rmsnorm"), ("kernels", "rope"), ("kernels", "swiglu"),
+                                      ("kernels", "flash_attention"), ("kernels", "flash_attn_interface"),
+                                      ("kernels", "loss"), ("modules", "fused_model"))]
         junit = out / "kernel_tests.xml"
         parallel = []
         import importlib.util

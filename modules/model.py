@@ -412,6 +412,8 @@ class TransformerLM(nn.Module):
             ids = ids.unsqueeze(0)
         if ids.dim() != 2 or ids.shape[-1] == 0:
             raise ValueError(f"prompt_ids must be a non-empty [seq] or [batch, seq], got {tuple(ids.shape)}")
+        if ids.shape[-1] > self.context_length:
+            raise ValueError(f"the prompt has {ids.shape[-1]} tokens: more than context_length {self.context_length}")
         if max_new_tokens < 0:
             raise ValueError("max_new_tokens must be >= 0")
         if allowed is not None:

@@ -114,3 +114,53 @@ def hf_round_trip(ours, path, architecture: str, seq: int = 20):
     for (name, a), b in zip(ours.state_dict().items(), back.state_dict().values()):
         assert torch.equal(a, b), name
     return theirs
+
+
+# ----------------------------------------------------------------------------------------------------
+# Hugging Face tests
+# ----------------------------------------------------------------------------------------------------
+def transformers_or_skip():
+    """``transformers``, or the test skipped with the reason (the optional extra tritonlm[hf] is absent)."""
+    pytest.importorskip("safetensors", reason="the optional extra tritonlm[hf] (safetensors) is not installed")
+    return pytest.importorskip("transformers", reason="the optional extra tritonlm[hf] (transformers) is not installed")
+
+
+#: a tiny Llama's sizes (GQA, two layers) and Llama 3's RoPE scaling at positions the tests reach
+LLAMA_SIZES = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                   num_hidden_layers=2, vocab_size=300, max_position_embeddings=64, rope_theta=500.0, rms_norm_eps=1e-6)
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 16}
+
+
+def tiny_llama(tie=False, scaling=None, dtype=torch.float32, seed=0, **overrides):
+    """transformers' own ``LlamaForCausalLM`` of :data:`LLAMA_SIZES` (random weights from ``seed``), in eval mode."""
+    transformers = transformers_or_skip()
+    torch.manual_seed(seed)
+    # (a copy: transformers adds rope_theta to the dict it is given)
+    cfg = transformers.LlamaConfig(**{**LLAMA_SIZES, **overrides}, rope_scaling=dict(scaling) if scaling else None,
+                                   tie_word_embeddings=tie)
+    return transformers.LlamaForCausalLM(cfg).to(dtype=dtype, device=DEVICE).eval()
+
+
+def hf_grads(model) -> dict:
+    """A TransformerLM's gradients under transformers 5's in-memory names: q/k rows back in the family's layout, MoE
+    routers and experts as its modules hold them (``mlp.gate``, stacked ``mlp.experts.gate_up_proj`` / ``down_proj``)."""
+    from tritonlm.hf.checkpoint import state_to_hf
+    from tritonlm.hf.family import family
+
+    cfg = model.config
+    grads = state_to_hf({n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}, cfg)
+    weights = family(cfg.model_type).weights
+    for i in range(cfg.num_layers):
+        if not cfg.is_moe_layer(i):
+            continue
+        block = f"model.layers.{i}.{weights.expert_block}.experts"
+        experts = [[grads.pop(f"{block}.{j}.{n}.weight") for n in weights.expert_names]
+                   for j in range(cfg.num_experts)]
+        stacked = f"model.layers.{i}.mlp.experts"  # (transformers 5's module names, whatever the file's)
+        grads[f"{stacked}.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u, _ in experts])
+        grads[f"{stacked}.down_proj"] = torch.stack([d for _, _, d in experts])
+        if weights.expert_block != "mlp":
+            grads[f"model.layers.{i}.mlp.gate.weight"] = grads.pop(f"model.layers.{i}.{weights.expert_block}.gate.weight")
+    return grads
+

@@ -111,34 +111,13 @@ def cmd_accounting(args) -> int:
 # ----------------------------------------------------------------------------------------------------
 # train / generate
 # ----------------------------------------------------------------------------------------------------
-_MODEL_SIZE_FLAGS = ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "num_kv_heads", "d_ff",
-                     "rope_theta", "norm", "ffn", "position", "norm_position", "num_experts", "experts_per_token",
-                     "moe_d_ff")
-_FLAG_HELP = {
-    "num_kv_heads": "key/value heads for grouped-query attention (a divisor of --num-heads; default = num_heads)",
-    "num_experts": "mixture of experts: SwiGLU experts per FFN layer (0 = dense; the tiny-moe preset has 8); the "
-                   "training loss adds the load-balancing loss and the log shows it and the expert load",
-    "experts_per_token": "mixture of experts: experts each token is routed to (default 2)",
-    "moe_d_ff": "mixture of experts: each expert's hidden width (default: d_ff)",
-}
-
-
 def cmd_train(args) -> int:
     from .train import TrainConfig, TrainError, train
 
-    overrides = {k: getattr(args, k) for k in _MODEL_SIZE_FLAGS if getattr(args, k) is not None}
-    cfg = TrainConfig(
-        data=args.data, tokenizer=args.tokenizer, init_from=args.init_from, preset=args.preset,
-        model_overrides=overrides,
-        max_steps=args.max_steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
-        min_lr=args.min_lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
-        grad_clip=args.grad_clip, z_loss=args.z_loss, label_smoothing=args.label_smoothing,
-        document_mask=args.document_mask, overwrite=args.overwrite, errors=args.errors,
-        eval_every=args.eval_every, eval_batches=args.eval_batches,
-        log_every=args.log_every, checkpoint_every=args.checkpoint_every, out=args.out, backend=args.backend,
-        device=args.device, dtype=args.dtype, compile=args.compile, fsdp=args.fsdp, seed=args.seed,
-        resume=args.resume, sample_prompt=args.prompt, sample_tokens=args.sample_tokens,
-        progress=not args.no_progress)
+    try:
+        cfg = TrainConfig.from_args(args)
+    except TrainError as e:
+        raise CLIError(str(e)) from None
     try:
         train(cfg)
     except (TrainError, FileNotFoundError) as e:
@@ -152,21 +131,29 @@ def cmd_generate(args) -> int:
 
     from ._base import TrainError
     from .generate import (
+        DEFAULTS,
         continuation_text,
+        end_ids,
         generate_batch_ids,
         generate_ids,
+        generation_settings,
         load_for_generation,
         vocab_mismatch,
     )
 
-    if args.max_new_tokens < 0:
-        raise CLIError(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
-    if not args.temperature >= 0:
-        raise CLIError(f"--temperature {args.temperature}: must be >= 0 (0 = greedy)")
-    if args.top_k is not None and args.top_k <= 0:
-        raise CLIError(f"--top-k {args.top_k}: must be positive")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise CLIError(f"--top-p {args.top_p}: must be in (0, 1]")
+    def check(settings: dict) -> None:
+        if settings["max_new_tokens"] < 0:
+            raise CLIError(f"--max-new-tokens {settings['max_new_tokens']}: must be >= 0")
+        if not settings["temperature"] >= 0:
+            raise CLIError(f"--temperature {settings['temperature']}: must be >= 0 (0 = greedy)")
+        if settings["top_k"] is not None and settings["top_k"] <= 0:
+            raise CLIError(f"--top-k {settings['top_k']}: must be positive")
+        if settings["top_p"] is not None and not 0 < settings["top_p"] <= 1:
+            raise CLIError(f"--top-p {settings['top_p']}: must be in (0, 1]")
+
+    given = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                 top_p=args.top_p)
+    check({**DEFAULTS, **{k: v for k, v in given.items() if v is not None}})  # (bad flags before any loading)
     prompts = None
     if args.prompt_file is not None:
         try:
@@ -181,13 +168,19 @@ def cmd_generate(args) -> int:
         mismatch = vocab_mismatch(model, tokenizer)
         if mismatch:
             print(mismatch, file=sys.stderr)
+        settings, source = generation_settings(model, **given)
+        check(settings)
+        sampling = ("greedy" if settings["temperature"] == 0 else f"temperature {settings['temperature']:g}"
+                    + (f", top-k {settings['top_k']}" if settings["top_k"] else "")
+                    + (f", top-p {settings['top_p']:g}" if settings["top_p"] is not None else ""))
+        print(f"generation: up to {settings['max_new_tokens']} new tokens, {sampling}, stopping at "
+              f"{end_ids(model, tokenizer)} ({source})", file=sys.stderr)
         t0 = time.perf_counter()
+        options = [settings[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p")]
         if prompts is not None:
-            batch = generate_batch_ids(model, tokenizer, prompts, args.max_new_tokens, args.temperature, args.top_k,
-                                       args.top_p, args.seed, page_size=args.page_size)
+            batch = generate_batch_ids(model, tokenizer, prompts, *options, args.seed, page_size=args.page_size)
         else:
-            new_ids = generate_ids(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
-                                   args.top_p, args.seed)
+            new_ids = generate_ids(model, tokenizer, args.prompt, *options, args.seed)
     except (TrainError, ValueError) as e:
         raise CLIError(str(e)) from None
     dt = time.perf_counter() - t0
@@ -422,8 +415,9 @@ def cmd_kernels(args) -> int:
 # entry point
 # ----------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    # (the family list for the help texts: plain Python, no transformers)
+    # (the family list for the help texts: plain Python, no transformers; train's options come from its config)
     from .hf.family import supported_phrase
+    from .train import TrainConfig
 
     parser = argparse.ArgumentParser(prog="tritonlm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -450,57 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "embedded corpus (Python's pydoc_data topics), on CPU in a few minutes, and "
                                    "prints a generated sample. Writes checkpoint.pt, log.jsonl, loss.png, "
                                    "summary.json and the tokenizer into --out.")
-    p.add_argument("--data", help="text file (a tokenizer is trained on it unless --tokenizer is given), or a "
-                                  ".npy/.bin token file; default: the embedded corpus")
-    p.add_argument("--tokenizer", help="tokenizer to use: a directory with vocab.json + merges.txt (GPT-2 format) "
-                                       "or a Hugging Face tokenizer.json, or the path of that tokenizer.json")
-    p.add_argument("--init-from", metavar="HF_DIR",
-                   help=f"fine-tune a local {supported_phrase()} (config.json + safetensors): its sizes, "
-                        "weights and tokenizer.json; only --context-length (training length, default "
-                        "min(1024, the model's)) may be changed")
-    p.add_argument("--preset", default="tiny", help="model size preset (default tiny; see `tritonlm accounting`)")
-    for name in _MODEL_SIZE_FLAGS:
-        kind = str if name in ("norm", "ffn", "position", "norm_position") else (float if name == "rope_theta" else int)
-        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
-                       help=_FLAG_HELP.get(name, f"override the preset's {name}"))
-    p.add_argument("--max-steps", type=int, default=300, help="optimizer steps (default 300)")
-    p.add_argument("--batch-size", type=int, default=32, help="sequences per step per process (default 32)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
-    p.add_argument("--min-lr", type=float, default=None, help="final learning rate (default lr/10)")
-    p.add_argument("--warmup-steps", type=int, default=None, help="linear warmup steps (default 5%% of steps)")
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--grad-clip", type=float, default=1.0, help="global gradient L2 norm cap (default 1.0)")
-    p.add_argument("--document-mask", action="store_true",
-                   help="packed documents: attention only within each document (split at <|endoftext|>), "
-                        "positions restarting per document (fused backend: varlen attention)")
-    p.add_argument("--z-loss", type=float, default=0.0,
-                   help="weight of the z-loss term z·logsumexp² per token (PaLM; e.g. 1e-4; default 0)")
-    p.add_argument("--label-smoothing", type=float, default=0.0,
-                   help="label smoothing of the training loss, as in F.cross_entropy (default 0; "
-                        "validation loss is always the plain cross-entropy)")
-    p.add_argument("--eval-every", type=int, default=100, help="validation every N steps (0: only at the end)")
-    p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps (default: end only)")
-    p.add_argument("--out", default="runs/tiny", help="output directory (default runs/tiny)")
-    p.add_argument("--backend", default="auto", choices=["auto", "reference", "triton"],
-                   help="auto: triton kernels on CUDA, reference elsewhere")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
-                   help="auto: bf16 autocast on GPU, fp32 on CPU")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 fully_shard (under torchrun)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
-    p.add_argument("--errors", choices=["strict", "replace"], default="strict",
-                   help="text that is not valid UTF-8: strict (default) stops with the byte offset, replace reads "
-                        "such bytes as U+FFFD")
-    p.add_argument("--overwrite", action="store_true",
-                   help="start over in an --out that holds a previous run (otherwise refused)")
-    p.add_argument("--prompt", default="The", help="prompt for the sample printed at the end")
-    p.add_argument("--sample-tokens", type=int, default=120, help="tokens to sample at the end (0: none)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    TrainConfig.add_options(p)  # (one option per TrainConfig field: tritonlm/train.py)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("generate", help="sample text from a trained checkpoint or a Hugging Face model",
@@ -516,10 +460,12 @@ def build_parser() -> argparse.ArgumentParser:
                                              "as one batch, printed in order, with a tokens/s summary")
     p.add_argument("--page-size", type=int, default=16,
                    help="--prompt-file: positions per block of the paged KV cache (a multiple of 16)")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="default: a Hugging Face directory's generation_config.json, else 200")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy; default: generation_config.json's (greedy unless it sets do_sample), else 0.8")
+    p.add_argument("--top-k", type=int, default=None, help="default: generation_config.json's when it samples")
+    p.add_argument("--top-p", type=float, default=None, help="default: generation_config.json's when it samples")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
     p.add_argument("--device", default="auto")
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "triton"])

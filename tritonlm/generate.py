@@ -15,7 +15,7 @@ from .modules.sampling import sample_next
 from .tokenizer import load_tokenizer
 
 __all__ = ["sample_next", "generate_text", "generate_ids", "generate_batch_ids", "continuation_text", "vocab_mismatch",
-           "is_hf_model_dir", "load_for_generation"]
+           "is_hf_model_dir", "load_for_generation", "end_ids", "generation_settings"]
 
 
 def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 1.0,
@@ -62,10 +62,7 @@ def generate_batch_ids(model, tokenizer, prompts: list[str], max_new_tokens: int
     gen = None
     if seed is not None:
         gen = torch.Generator(device=device).manual_seed(seed)
-    # a Hugging Face model names its end-of-sequence id(s); tritonlm's own runs end documents with <|endoftext|>
-    eos = (getattr(model, "hf_config", None) or {}).get("eos_token_id")
-    if eos is None:
-        eos = tokenizer._special_ids.get("<|endoftext|>")
+    eos = end_ids(model, tokenizer)
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     allowed = torch.zeros(model.vocab_size, dtype=torch.bool)
     allowed[[i for i in tokenizer.vocab if 0 <= i < model.vocab_size]] = True
@@ -82,6 +79,48 @@ def generate_batch_ids(model, tokenizer, prompts: list[str], max_new_tokens: int
         stops = [i for i, t in enumerate(new) if t in eos_ids]
         results.append(new[:stops[0]] if stops else new)
     return results
+
+
+def end_ids(model, tokenizer) -> list[int] | int | None:
+    """The id(s) that end a continuation, as transformers' ``generate`` takes them: a Hugging Face model's
+    ``generation_config.json`` list (Llama 3 Instruct's ``<|eot_id|>``, Gemma 3's ``<end_of_turn>``), else its
+    config.json's ``eos_token_id``; a run of tritonlm's own ends documents with ``<|endoftext|>``."""
+    for source in (getattr(model, "generation_config", None), getattr(model, "hf_config", None)):
+        eos = (source or {}).get("eos_token_id")
+        if eos is not None:
+            return eos
+    return tokenizer._special_ids.get("<|endoftext|>")
+
+
+#: the sampling defaults of transformers' GenerationConfig where a generation_config.json leaves them out
+HF_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+#: tritonlm generate's own defaults (a run of tritonlm's, or an HF directory without generation_config.json)
+DEFAULTS = {"max_new_tokens": 200, "temperature": 0.8, "top_k": None, "top_p": None}
+
+
+def generation_settings(model, **given) -> tuple[dict, str]:
+    """``(settings, source)``: ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p`` from ``given`` (the values a
+    user passed; None: not passed), else the model's ``generation_config.json`` (``do_sample`` false: greedy;
+    true: its temperature / top-k / top-p, transformers' defaults where it has none; its ``max_new_tokens``),
+    else :data:`DEFAULTS`. ``source`` says which in one phrase."""
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        base, source = dict(DEFAULTS), "defaults"
+    else:
+        base, source = dict(DEFAULTS), "generation_config.json"
+        if config.get("max_new_tokens") is not None:
+            base["max_new_tokens"] = int(config["max_new_tokens"])
+        if config.get("do_sample"):
+            base.update({k: config.get(k, v) for k, v in HF_SAMPLING_DEFAULTS.items()})
+            if base["top_k"] == 0:  # (transformers: 0 turns top-k off)
+                base["top_k"] = None
+        else:
+            base.update(temperature=0.0, top_k=None, top_p=None)  # greedy, as transformers decodes it
+    passed = {k: v for k, v in given.items() if v is not None}
+    if passed and config is not None:
+        flags = ", ".join("--" + k.replace("_", "-") for k in passed)
+        source += f" ({flags} given)"
+    return {**base, **passed}, source
 
 
 def vocab_mismatch(model, tokenizer) -> str | None:
@@ -152,7 +191,8 @@ def load_for_generation(checkpoint_dir, device="auto", backend="auto"):
     if not tok_dir or not Path(tok_dir).is_dir():
         raise TrainError(f"the checkpoint names no tokenizer directory that exists ({tok_dir})")
     if (Path(tok_dir) / "config.json").is_file():  # fine-tuned with --init-from: the HF directory's token ids
-        from .hf.checkpoint import read_hf_config
+        from .hf.checkpoint import read_generation_config, read_hf_config
 
         model.hf_config = read_hf_config(tok_dir)
+        model.generation_config = read_generation_config(tok_dir)
     return model, load_tokenizer(tok_dir)

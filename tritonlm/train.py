@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from . import accounting
-from ._base import Dist, TrainError, all_mean, resolve_device, runnable_backend, setup_distributed  # noqa: F401
+from ._base import Dist, TrainError, all_mean, resolve_device, runnable_backend, setup_distributed
 from .checkpoint import (
     CHECKPOINT_NAME,
     optimizer_param_names,
@@ -38,66 +38,182 @@ from .checkpoint import (
     write_text_atomic,
 )
 from .config import ModelConfig
-from .data import (  # noqa: F401  (prepare_data, default_corpus_text: their homes moved, the names stay)
+from .data import (
     batch_at,
-    default_corpus_text,
     document_ids,
     fingerprint,
     prepare_data,
     sample_starts,
     unigram_entropy,
 )
-from .generate import generate_ids, generate_text, load_for_generation, vocab_mismatch  # noqa: F401
+from .generate import generate_text
 from .modules import TransformerLM
 from .optim import AdamW, clip_grad_norm_, cosine_lr_schedule
-from .tokenizer import SPECIAL_TOKENS, SPECIAL_TOKENS_FILE, find_tokenizer_files, load_tokenizer  # noqa: F401
+from .tokenizer import SPECIAL_TOKENS, find_tokenizer_files
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _positive(x) -> bool:
+    return _finite(x) and x > 0
+
+
+def option(default, help, *, flag: str | None = "", type=None, choices=None, metavar=None, check=None,
+           rule: str = "", factory=None):
+    """A :class:`TrainConfig` field and its ``tritonlm train`` option in one place: ``help`` (a string, or a
+    callable giving it when the parser is built), the ``flag`` (default ``--field-name``; None: no option),
+    ``type`` (default: the default's), ``choices``; ``check(value) -> bool`` with the ``rule`` a failure names
+    (one line: "--flag value: must be rule"). Booleans are switches (the flag sets the opposite of the default)."""
+    metadata = dict(help=help, flag=flag, type=type, choices=choices, metavar=metavar, check=check, rule=rule)
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+#: The model-size options that override the preset (``--d-model 256`` ...), collected in ``model_overrides``.
+MODEL_FLAGS = {
+    "vocab_size": int, "context_length": int, "d_model": int, "num_layers": int, "num_heads": int, "num_kv_heads": int,
+    "d_ff": int, "rope_theta": float, "norm": str, "ffn": str, "position": str, "norm_position": str,
+    "num_experts": int, "experts_per_token": int, "moe_d_ff": int}
+MODEL_FLAG_HELP = {
+    "num_kv_heads": "key/value heads for grouped-query attention (a divisor of --num-heads; default = num_heads)",
+    "num_experts": "mixture of experts: SwiGLU experts per FFN layer (0 = dense; the tiny-moe preset has 8); the "
+                   "training loss adds the load-balancing loss and the log shows it and the expert load",
+    "experts_per_token": "mixture of experts: experts each token is routed to (default 2)",
+    "moe_d_ff": "mixture of experts: each expert's hidden width (default: d_ff)",
+}
+
+
+def _init_from_help() -> str:
+    from .hf.family import supported_phrase  # (plain Python: the family list, no transformers)
+
+    return (f"fine-tune a local {supported_phrase()} (config.json + safetensors): its sizes, weights and "
+            "tokenizer.json; only --context-length (training length, default min(1024, the model's)) may be changed")
 
 
 @dataclass
 class TrainConfig:
-    """Everything ``tritonlm train`` takes (see ``tritonlm train --help``)."""
+    """Everything ``tritonlm train`` takes: each field is one option of ``tritonlm train --help`` (its help, type,
+    default and check in the field's metadata, see :func:`option`), and a config with a value its check refuses is
+    a one-line :class:`TrainError` when it is made."""
 
-    data: str | None = None
-    tokenizer: str | None = None
-    init_from: str | None = None  # a local Hugging Face directory of a family in tritonlm.hf.SUPPORTED_MODELS: its sizes, weights, tokenizer
-    preset: str = "tiny"
-    model_overrides: dict = field(default_factory=dict)
-    max_steps: int = 300
-    batch_size: int = 32
-    grad_accum: int = 1
-    context_length: int | None = None
-    lr: float = 3e-3
-    min_lr: float | None = None
-    warmup_steps: int | None = None
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    z_loss: float = 0.0
-    label_smoothing: float = 0.0
-    document_mask: bool = False
-    eval_every: int = 100
-    eval_batches: int = 8
-    log_every: int = 10
-    checkpoint_every: int = 0
-    out: str = "runs/tiny"
-    backend: str = "auto"
-    device: str = "auto"
-    dtype: str = "auto"
-    compile: bool = False
-    fsdp: bool = False
-    seed: int = 0
-    resume: bool = False
-    overwrite: bool = False
-    errors: str = "strict"
-    val_fraction: float = 0.05
-    sample_prompt: str = "The"
-    sample_tokens: int = 120
-    progress: bool = True
+    data: str | None = option(None, "text file (a tokenizer is trained on it unless --tokenizer is given), or a "
+                                    ".npy/.bin token file; default: the embedded corpus", type=str)
+    tokenizer: str | None = option(None, "tokenizer to use: a directory with vocab.json + merges.txt (GPT-2 "
+                                         "format) or a Hugging Face tokenizer.json, or the path of that tokenizer.json",
+                                   type=str)
+    init_from: str | None = option(None, _init_from_help, type=str, metavar="HF_DIR")
+    preset: str = option("tiny", "model size preset (default tiny; see `tritonlm accounting`)")
+    model_overrides: dict = option(None, "", flag=None, factory=dict)  # (the MODEL_FLAGS options)
+    max_steps: int = option(300, "optimizer steps (default 300)", check=_positive, rule="positive")
+    batch_size: int = option(32, "sequences per step per process (default 32)", check=_positive, rule="positive")
+    grad_accum: int = option(1, "micro-batches per step (default 1)", check=_positive, rule="positive")
+    # the training context (--context-length is one of the model-size options)
+    context_length: int | None = option(None, "", flag=None, check=lambda v: v is None or v > 0, rule="positive")
+    lr: float = option(3e-3, "peak learning rate (default 3e-3)", check=_positive, rule="a positive number")
+    min_lr: float | None = option(None, "final learning rate (default lr/10)", type=float)
+    warmup_steps: int | None = option(None, "linear warmup steps (default 5%% of steps)", type=int,
+                                      check=lambda v: v is None or v >= 0, rule=">= 0")
+    weight_decay: float = option(0.1, "AdamW weight decay of the matrices (default 0.1)",
+                                 check=lambda v: _finite(v) and v >= 0, rule=">= 0")
+    betas: tuple[float, float] = option((0.9, 0.95), "", flag=None,
+                                        check=lambda v: all(_finite(b) and 0 <= b < 1 for b in v), rule="in [0, 1)")
+    grad_clip: float = option(1.0, "global gradient L2 norm cap (default 1.0)", check=_positive,
+                              rule="a positive L2 norm")
+    document_mask: bool = option(False, "packed documents: attention only within each document (split at "
+                                        "<|endoftext|>), positions restarting per document (fused backend: varlen "
+                                        "attention)")
+    z_loss: float = option(0.0, "weight of the z-loss term z·logsumexp² per token (PaLM; e.g. 1e-4; default 0)",
+                           check=lambda v: _finite(v) and v >= 0, rule=">= 0")
+    label_smoothing: float = option(0.0, "label smoothing of the training loss, as in F.cross_entropy (default 0; "
+                                         "validation loss is always the plain cross-entropy)",
+                                    check=lambda v: _finite(v) and 0 <= v <= 1, rule="in [0, 1]")
+    eval_every: int = option(100, "validation every N steps (0: only at the end)", check=lambda v: v >= 0,
+                             rule=">= 0 (0: only at the end)")
+    eval_batches: int = option(8, "validation batches per evaluation (default 8)", check=_positive, rule="positive")
+    log_every: int = option(10, "log every N steps (default 10)", check=_positive, rule="positive")
+    checkpoint_every: int = option(0, "also checkpoint every N steps (default: end only)", check=lambda v: v >= 0,
+                                   rule=">= 0 (0: only at the end)")
+    out: str = option("runs/tiny", "output directory (default runs/tiny)")
+    backend: str = option("auto", "auto: triton kernels on CUDA, reference elsewhere",
+                          choices=["auto", "reference", "triton"])
+    device: str = option("auto", "auto, cpu, cuda, cuda:1, ...")
+    dtype: str = option("auto", "auto: bf16 autocast on GPU, fp32 on CPU", choices=["auto", "bf16", "fp32"])
+    compile: bool = option(False, "torch.compile the model")
+    fsdp: bool = option(False, "shard with FSDP2 fully_shard (under torchrun)")
+    seed: int = option(0, "random seed of the initialisation and the batches (default 0)")
+    resume: bool = option(False, "continue from --out/checkpoint.pt")
+    overwrite: bool = option(False, "start over in an --out that holds a previous run (otherwise refused)")
+    errors: str = option("strict", "text that is not valid UTF-8: strict (default) stops with the byte offset, "
+                                   "replace reads such bytes as U+FFFD", choices=["strict", "replace"])
+    val_fraction: float = option(0.05, "", flag=None, check=lambda v: 0 < v < 1, rule="in (0, 1)")
+    sample_prompt: str = option("The", "prompt for the sample printed at the end", flag="--prompt", metavar="TEXT")
+    sample_tokens: int = option(120, "tokens to sample at the end (0: none)", check=lambda v: v >= 0, rule=">= 0")
+    progress: bool = option(True, "no progress bars", flag="--no-progress")
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            check = f.metadata.get("check")
+            value = getattr(self, f.name)
+            if check is not None and not check(value):
+                raise TrainError(f"{_flag(f) or f.name} {value!r}: must be {f.metadata['rule']}")
+        if self.min_lr is not None and not (_finite(self.min_lr) and 0 <= self.min_lr <= self.lr):
+            raise TrainError(f"--min-lr {self.min_lr!r}: must be between 0 and --lr")
+        if self.resume and self.overwrite:
+            raise TrainError("--resume and --overwrite contradict each other: continue the run, or start it over")
+
+    def check_out_dir(self) -> None:
+        """The output directory can take this run: a directory (or nothing yet), and a previous run in it is
+        continued (``resume``) or started over (``overwrite``), never silently mixed."""
+        out = Path(self.out)
+        if out.exists() and not out.is_dir():
+            raise TrainError(f"--out {out}: exists and is not a directory")
+        previous = [name for name in (CHECKPOINT_NAME, "log.jsonl") if (out / name).exists()]
+        if previous and not (self.resume or self.overwrite):
+            raise TrainError(f"--out {out} holds a previous run ({', '.join(previous)}); pass --resume to continue "
+                             "it or --overwrite to start over")
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["betas"] = list(self.betas)
         return d
+
+    @classmethod
+    def add_options(cls, parser) -> None:
+        """Add every field's option, and after ``--preset`` the model-size overrides, to an argparse parser."""
+        for f in dataclasses.fields(cls):
+            flag = _flag(f)
+            if flag is None:
+                continue
+            meta, default = f.metadata, f.default
+            help_text = meta["help"]() if callable(meta["help"]) else meta["help"]
+            if isinstance(default, bool):
+                parser.add_argument(flag, dest=f.name, action="store_false" if default else "store_true",
+                                    help=help_text)
+            else:
+                parser.add_argument(flag, dest=f.name, default=default, type=meta["type"] or type(default),
+                                    choices=meta["choices"], metavar=meta["metavar"], help=help_text)
+            if f.name == "preset":
+                for name, kind in MODEL_FLAGS.items():
+                    parser.add_argument("--" + name.replace("_", "-"), dest=f"model_{name}", type=kind, default=None,
+                                        metavar=name.upper(),
+                                        help=MODEL_FLAG_HELP.get(name, f"override the preset's {name}"))
+
+    @classmethod
+    def from_args(cls, args) -> TrainConfig:
+        """The config of arguments parsed with :meth:`add_options`."""
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if _flag(f) is not None}
+        overrides = {name: getattr(args, f"model_{name}") for name in MODEL_FLAGS
+                     if getattr(args, f"model_{name}") is not None}
+        return cls(**values, model_overrides=overrides)
+
+
+def _flag(f) -> str | None:
+    """A field's option: its metadata's ``flag``, by default ``--field-name`` (None: not an option)."""
+    flag = f.metadata.get("flag", "")
+    return ("--" + f.name.replace("_", "-")) if flag == "" else flag
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -117,45 +233,6 @@ def _autocast(device: torch.device, dtype: str):
     if dtype == "fp32":
         return torch.autocast(device.type, enabled=False), "fp32"
     raise TrainError(f"--dtype must be auto, bf16 or fp32, got {dtype!r}")
-
-
-def check_config(cfg: TrainConfig) -> None:
-    """Every option that can be checked before any work, each failure one line naming the flag and value."""
-    def need(ok: bool, flag: str, value, rule: str):
-        if not ok:
-            raise TrainError(f"{flag} {value!r}: must be {rule}")
-
-    finite = lambda x: isinstance(x, (int, float)) and math.isfinite(x)  # noqa: E731
-    need(cfg.max_steps > 0, "--max-steps", cfg.max_steps, "positive")
-    need(cfg.batch_size > 0, "--batch-size", cfg.batch_size, "positive")
-    need(cfg.grad_accum > 0, "--grad-accum", cfg.grad_accum, "positive")
-    need(finite(cfg.lr) and cfg.lr > 0, "--lr", cfg.lr, "a positive number")
-    need(cfg.min_lr is None or (finite(cfg.min_lr) and 0 <= cfg.min_lr <= cfg.lr), "--min-lr", cfg.min_lr,
-         "between 0 and --lr")
-    need(cfg.warmup_steps is None or cfg.warmup_steps >= 0, "--warmup-steps", cfg.warmup_steps, ">= 0")
-    need(finite(cfg.weight_decay) and cfg.weight_decay >= 0, "--weight-decay", cfg.weight_decay, ">= 0")
-    need(finite(cfg.grad_clip) and cfg.grad_clip > 0, "--grad-clip", cfg.grad_clip, "a positive L2 norm")
-    need(all(finite(b) and 0 <= b < 1 for b in cfg.betas), "betas", cfg.betas, "in [0, 1)")
-    need(finite(cfg.z_loss) and cfg.z_loss >= 0, "--z-loss", cfg.z_loss, ">= 0")
-    need(finite(cfg.label_smoothing) and 0 <= cfg.label_smoothing <= 1, "--label-smoothing", cfg.label_smoothing,
-         "in [0, 1]")
-    need(cfg.log_every > 0, "--log-every", cfg.log_every, "positive")
-    need(cfg.eval_every >= 0, "--eval-every", cfg.eval_every, ">= 0 (0: only at the end)")
-    need(cfg.eval_batches > 0, "--eval-batches", cfg.eval_batches, "positive")
-    need(cfg.checkpoint_every >= 0, "--checkpoint-every", cfg.checkpoint_every, ">= 0 (0: only at the end)")
-    need(cfg.sample_tokens >= 0, "--sample-tokens", cfg.sample_tokens, ">= 0")
-    need(cfg.context_length is None or cfg.context_length > 0, "--context-length", cfg.context_length, "positive")
-    need(0 < cfg.val_fraction < 1, "val_fraction", cfg.val_fraction, "in (0, 1)")
-    need(cfg.errors in ("strict", "replace"), "--errors", cfg.errors, "strict or replace")
-    out = Path(cfg.out)
-    if out.exists() and not out.is_dir():
-        raise TrainError(f"--out {out}: exists and is not a directory")
-    if cfg.resume and cfg.overwrite:
-        raise TrainError("--resume and --overwrite contradict each other: continue the run, or start it over")
-    previous = [name for name in (CHECKPOINT_NAME, "log.jsonl") if (out / name).exists()]
-    if previous and not (cfg.resume or cfg.overwrite):
-        raise TrainError(f"--out {out} holds a previous run ({', '.join(previous)}); pass --resume to continue it "
-                         "or --overwrite to start over")
 
 
 @dataclass
@@ -212,7 +289,7 @@ def train(cfg: TrainConfig, say=print) -> dict:
     (or resume) the model and optimizer, run the training loop with its evaluations and checkpoints, finish
     (summary, plot, sample).
     """
-    check_config(cfg)
+    cfg.check_out_dir()
     run = _setup(cfg, say)
     _data_stage(run)
     _model_stage(run)

@@ -19,14 +19,12 @@ from tritonlm import ModelConfig, TransformerLM
 from tritonlm.hf import family as registry
 from tritonlm.hf import model_config_from_hf
 
+from helpers import transformers_or_skip
+
 REPO = Path(__file__).resolve().parents[2]
 GENERIC = [REPO / "tritonlm" / "hf" / name for name in ("__init__.py", "checkpoint.py", "patch.py", "family.py")]
 SMALL = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
              vocab_size=120, max_position_embeddings=64)
-
-
-def _transformers():
-    return pytest.importorskip("transformers", reason="the optional extra tritonlm[hf] (transformers) is not installed")
 
 
 def _code_strings_and_names(path: Path) -> set[str]:
@@ -156,7 +154,7 @@ def _flat(d: dict) -> dict:
 def test_missing_keys_take_the_config_class_defaults(kind):
     """Every key the family reads, dropped on its own from transformers' default config, gives the ModelConfig of
     the full default config: the family's defaults are its config class's (issue 31: no tritonlm fallbacks)."""
-    transformers = _transformers()
+    transformers = transformers_or_skip()
     record = registry.families()[kind]
     full = _flat(getattr(transformers, record.config_class)().to_dict())
     expected = model_config_from_hf(full)
@@ -218,7 +216,7 @@ def test_every_family_has_a_refusal_table():
 def test_options_the_model_cannot_represent_are_refused(kind, option, named):
     """Each option is a real one of the family's config class (transformers builds the config and keeps the value);
     its config.json, as transformers writes it, is a one-line error naming the key before any weight is read."""
-    transformers = _transformers()
+    transformers = transformers_or_skip()
     record = registry.families()[kind]
     config = getattr(transformers, record.config_class)(**SMALL, **copy.deepcopy(option))
     written = config.to_dict()
@@ -235,7 +233,7 @@ def test_options_the_model_cannot_represent_are_refused(kind, option, named):
 def test_kernel_targets_name_classes_of_the_modeling_module(kind):
     """Every class a family's apply_kernels targets exists in transformers' modeling module of its architecture (a
     renamed class would leave a module silently unpatched)."""
-    transformers = _transformers()
+    transformers = transformers_or_skip()
     record = registry.families()[kind]
     modeling = importlib.import_module(getattr(transformers, record.architecture).__module__)
     targets = record.kernels
@@ -246,7 +244,7 @@ def test_kernel_targets_name_classes_of_the_modeling_module(kind):
 
 def test_tied_flag_with_a_head_of_its_own_loads_untied_as_transformers_does(tmp_path):
     """Issue 31: tie_word_embeddings true beside a distinct lm_head.weight: transformers keeps both; so do we."""
-    transformers = _transformers()
+    transformers = transformers_or_skip()
     from safetensors.torch import load_file, save_file
 
     from tritonlm import hf

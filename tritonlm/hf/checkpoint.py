@@ -58,6 +58,18 @@ def read_hf_config(path) -> dict:
         raise ValueError(f"{file} is not valid JSON: {e}") from None
 
 
+def read_generation_config(path) -> dict | None:
+    """``generation_config.json`` of a local HF model directory as a dict (the end-of-sequence ids and sampling
+    defaults transformers' ``generate`` uses), or None when the directory has none."""
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return None
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from None
+
+
 def family_of(cfg: dict) -> Family:
     """The registered family of an HF config dict (its ``model_type``; ``architectures`` must name its class)."""
     record = family(cfg.get("model_type") or "")
@@ -400,8 +412,9 @@ def from_pretrained(path, backend: str = "auto", device=None, dtype=None, *, con
     too). ``dtype``: None or "auto" = the checkpoint's (``torch_dtype``/``dtype`` in config.json), else a torch
     dtype or its name ("bfloat16"), as transformers takes it; ``context_length`` defaults to
     ``max_position_embeddings``. The model comes back in eval mode, as transformers returns it. Its config keeps the
-    family (``model_type``), and the model keeps the HF config dict as ``model.hf_config`` (token ids for
-    generation, and :func:`save_pretrained` writes them back).
+    family (``model_type``), and the model keeps the HF config dict as ``model.hf_config`` (token ids, which
+    :func:`save_pretrained` writes back) and ``generation_config.json`` as ``model.generation_config`` (None
+    without one: the end-of-sequence ids and sampling defaults ``tritonlm generate`` uses).
     """
     from ..modules import TransformerLM
 
@@ -414,6 +427,7 @@ def from_pretrained(path, backend: str = "auto", device=None, dtype=None, *, con
     model = TransformerLM.from_config(cfg, device=device, dtype=dtype, backend=backend)
     model.load_state_dict(state)
     model.hf_config = hf_cfg
+    model.generation_config = read_generation_config(path)
     return model.eval()  # (as transformers returns it: call .train() to fine-tune)
 
 
@@ -421,7 +435,8 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None) -> Pa
     """Write ``model`` as an HF directory of its family (``model.config.model_type``: the family it was loaded as;
     None, a model built here: the default family, Llama) that ``transformers.AutoModelForCausalLM.from_pretrained``
     loads: ``config.json`` + ``model.safetensors``. A model the family cannot hold exactly is a one-line error
-    before anything is written. ``dtype`` converts the weights (default: as they are). Returns the directory."""
+    before anything is written; a ``generation_config.json`` the model was loaded with is written back beside it.
+    ``dtype`` converts the weights (default: as they are). Returns the directory."""
     _require("safetensors")
     from safetensors.torch import save_file
 
@@ -436,6 +451,9 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None) -> Pa
     save_file({k: v.cpu() for k, v in state.items()}, str(directory / "model.safetensors"),
               metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n", encoding="utf-8")
+    generation = getattr(model, "generation_config", None)
+    if generation:  # (what from_pretrained read: the end ids and sampling defaults go back with the model)
+        (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
     return directory
 
 

@@ -191,3 +191,21 @@ def test_encode_with_special_tokens_as_transformers(trained, tmp_path, post):
     for text in ["Hello world", TRICKY[2], "<|eot_id|> x"]:
         assert ours.encode(text, add_special_tokens=True) == theirs(text).input_ids, text
     assert (ours.encode("hi", add_special_tokens=True)[0] == bos) == (post in ("template", "sequence"))
+
+
+def test_normalized_added_tokens_match_after_nfc(trained, tmp_path):
+    """An added token the file marks ``normalized`` is matched in the NFC-normalized text (issue 31): a decomposed
+    ``cafe\\u0301`` is the added ``café`` under Qwen 2's NFC normalizer, as the tokenizers library finds it; a
+    special (unnormalized) token still matches the raw text. Streaming gives the same ids."""
+    theirs, path = trained
+    tok = tokenizers.Tokenizer.from_file(str(path))
+    tok.add_tokens([tokenizers.AddedToken("café", normalized=True)])
+    edited = tmp_path / "nfc_added.json"
+    tok.save(str(edited))
+    ours = Tokenizer.from_hf(edited)
+    for text in ["un cafe\u0301 noir", "café", "cafe\u0301<|eot_id|>cafe\u0301s", "cafe and café"]:
+        expected = tok.encode(text, add_special_tokens=False).ids
+        assert ours.encode(text) == expected, text
+        assert list(ours.encode_iterable([text[:5], text[5:]])) == expected, text
+    if ours.normalization:  # (Qwen 2's file: NFC joins the accent, so the added token is found)
+        assert tok.token_to_id("café") in ours.encode("un cafe\u0301 noir")

@@ -237,3 +237,47 @@ def test_mixtral_accounting_training_and_generation(mixtral_dir, tmp_path, capsy
     eos = model.config.eos_token_id
     expected = expected[:expected.index(eos)] if eos in expected else expected
     assert generate_ids(ours, tokenizer, "The cat", 6, temperature=0) == expected
+
+
+def test_generate_reads_generation_config_json(hf_dir, tmp_path, capsys):
+    """Issue 31: ``generation_config.json``'s end ids (a list: an instruct model's end-of-turn beside its eos) and
+    its defaults (greedy without do_sample, max_new_tokens) are what ``tritonlm generate`` uses when no flag says
+    otherwise, as transformers' generate uses them; the command says which it used."""
+    import json
+    import shutil
+
+    import transformers
+
+    path, model, tok = hf_dir
+    copy = tmp_path / "instruct"
+    shutil.copytree(path, copy)
+    model = transformers.AutoModelForCausalLM.from_pretrained(copy).eval()
+    with torch.no_grad():  # (larger weights than the init's: greedy decoding that does not repeat one id)
+        torch.manual_seed(3)
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    model.save_pretrained(copy)
+    ids = transformers.AutoTokenizer.from_pretrained(path)("The cat", return_tensors="pt").input_ids
+    suppress = list(range(tok.get_vocab_size(), 300))
+    greedy = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None,
+                            suppress_tokens=suppress)[0, ids.shape[1]:].tolist()
+    # an id only generation_config.json names as an end: the first id, from the third on, not seen before
+    cut = next(j for j in range(2, len(greedy)) if greedy[j] not in greedy[:j])
+    stop = greedy[cut]
+    assert stop != model.config.eos_token_id and cut >= 2
+    (copy / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [model.config.eos_token_id, stop], "do_sample": False, "max_new_tokens": 12,
+         "pad_token_id": 0}))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(copy).eval()
+    expected = theirs.generate(ids, suppress_tokens=suppress)[0, ids.shape[1]:].tolist()
+    assert expected == greedy[:cut + 1]  # transformers itself stops at the generation config's end id
+    assert main(["generate", "--checkpoint", str(copy), "--prompt", "The cat", "--device", "cpu",
+                 "--backend", "reference"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() == ("The cat" + tok.decode(greedy[:cut])).strip()
+    assert "up to 12 new tokens, greedy" in captured.err and "generation_config.json" in captured.err
+    from tritonlm.generate import generate_ids, load_for_generation
+
+    ours, tokenizer = load_for_generation(copy, "cpu", "reference")
+    assert generate_ids(ours, tokenizer, "The cat", 12, temperature=0) == greedy[:cut]

@@ -308,7 +308,7 @@ def test_tma_forward_checks_its_grid_before_launching(monkeypatch):
 def _sweep_module(monkeypatch):
     from pathlib import Path
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
     return importlib.import_module("sweep")
 
 

@@ -1,7 +1,9 @@
-"""Hugging Face interop against transformers' own Llama/Mistral models, on tiny random configs built here.
+"""``tritonlm.hf.apply_kernels`` on transformers' own Llama / Mistral models: every patched op against the unpatched
+model (logits, loss, gradients, fp32 and bf16), the RoPE and RMSNorm kernels in HF's layouts, and every way
+transformers says which keys a query sees (padding, packed documents, flash kwargs, windows, custom masks) against
+unpatched sdpa.
 
-Needs the optional extra (``pip install 'tritonlm[hf]'``); skipped with that reason when it is absent. The
-config-mapping errors need no extra and always run.
+Needs the optional extra (``pip install 'tritonlm[hf]'``); skipped with that reason when it is absent.
 """
 
 import copy
@@ -9,197 +11,13 @@ import copy
 import pytest
 import torch
 
-from tritonlm import ModelConfig, TransformerLM
-from tritonlm.hf import model_config_from_hf
-
-from helpers import DEVICE, ON_CUDA, hf_round_trip
-
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 16}
-SIZES = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-             vocab_size=300, max_position_embeddings=64, rope_theta=500.0, rms_norm_eps=1e-6)
-
-
-def _transformers():
-    pytest.importorskip("safetensors", reason="the optional extra tritonlm[hf] (safetensors) is not installed")
-    return pytest.importorskip("transformers", reason="the optional extra tritonlm[hf] (transformers) is not installed")
-
-
-def _llama(tie=False, scaling=None, dtype=torch.float32, seed=0, **overrides):
-    transformers = _transformers()
-    torch.manual_seed(seed)
-    # (a copy: transformers adds rope_theta to the dict it is given)
-    cfg = transformers.LlamaConfig(**{**SIZES, **overrides}, rope_scaling=dict(scaling) if scaling else None,
-                                   tie_word_embeddings=tie)
-    return transformers.LlamaForCausalLM(cfg).to(dtype=dtype, device=DEVICE).eval()
-
-
-def _grads_as_hf(model: TransformerLM) -> dict:
-    from tritonlm.hf.checkpoint import state_to_hf
-
-    return state_to_hf({name: p.grad for name, p in model.named_parameters(remove_duplicate=False)}, model.config)
-
-
-# ----------------------------------------------------------------------------------------------------
-# from_pretrained / save_pretrained
-# ----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("tie,scaling", [(False, None), (True, LLAMA3)], ids=["untied", "tied-llama3"])
-@pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_from_pretrained_matches_transformers(tmp_path, tie, scaling, backend):
-    from tritonlm import hf
-
-    theirs = _llama(tie, scaling)
-    theirs.save_pretrained(tmp_path)
-    ours = hf.from_pretrained(tmp_path, backend=backend, device=DEVICE, dtype=torch.float32)
-    assert ours.config.tie_embeddings == tie and ours.config.num_kv_heads == 2 and ours.config.norm_eps == 1e-6
-    ids = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    # logits, and the loss HF computes from labels (it shifts them: position t predicts ids[t + 1])
-    expected = theirs(ids, labels=ids)
-    torch.testing.assert_close(ours(ids), expected.logits, atol=2e-5, rtol=1e-4)
-    loss = ours.loss(ids[:, :-1], ids[:, 1:])
-    torch.testing.assert_close(loss, expected.loss, atol=2e-5, rtol=1e-5)
-    # gradients of every weight, ours mapped back to HF names (q/k rows un-permuted)
-    expected.loss.backward()
-    loss.backward()
-    ours_grads = _grads_as_hf(ours)
-    for name, p in theirs.named_parameters():
-        if name == "lm_head.weight" and tie:
-            continue  # the same tensor as the embedding (its gradient holds both uses)
-        torch.testing.assert_close(ours_grads[name], p.grad, atol=2e-5, rtol=1e-4, msg=name)
-
-
-def test_llama3_scaling_changes_long_positions(tmp_path):
-    """The scaled frequencies matter at these positions (else the test above would not check them)."""
-    from tritonlm import hf
-
-    _llama(scaling=LLAMA3).save_pretrained(tmp_path)
-    scaled = hf.from_pretrained(tmp_path, backend="reference", dtype=torch.float32)
-    plain = TransformerLM.from_config(scaled.config.replace(rope_scaling=None))
-    plain.load_state_dict(scaled.state_dict())
-    ids = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(2))
-    assert (scaled(ids) - plain(ids)).abs().max() > 1e-3
-
-
-def test_save_pretrained_round_trip(tmp_path):
-    _transformers()
-
-    cfg = ModelConfig(vocab_size=300, context_length=48, d_model=64, num_layers=2, num_heads=4, d_ff=96,
-                      rope_theta=500.0, num_kv_heads=1, norm_eps=1e-6, tie_embeddings=True, rope_scaling=LLAMA3)
-    torch.manual_seed(3)
-    ours = TransformerLM.from_config(cfg, device=DEVICE)
-    with torch.no_grad():  # non-trivial norm weights, so a swapped norm would show
-        for name, p in ours.named_parameters():
-            if name.endswith(("ln1.weight", "ln2.weight", "ln_final.weight")):
-                p.uniform_(0.5, 1.5)
-    hf_round_trip(ours, tmp_path, "LlamaForCausalLM", seq=30)
-
-
-def test_sharded_checkpoint_and_dtype(tmp_path):
-    from tritonlm import hf
-
-    theirs = _llama(dtype=torch.bfloat16)
-    theirs.save_pretrained(tmp_path, max_shard_size="100KB")
-    assert (tmp_path / "model.safetensors.index.json").is_file()
-    ours = hf.from_pretrained(tmp_path, backend="reference", device=DEVICE)  # dtype from the checkpoint
-    assert ours.lm_head.weight.dtype == torch.bfloat16
-    ids = torch.randint(0, 300, (1, 12)).to(DEVICE)
-    torch.testing.assert_close(ours(ids).float(), theirs(ids).logits.float(), atol=0.05, rtol=0.05)
-
-
-def test_greedy_generation_equals_transformers(tmp_path):
-    from tritonlm import hf
-
-    theirs = _llama(seed=5)
-    theirs.save_pretrained(tmp_path)
-    ours = hf.from_pretrained(tmp_path, backend="reference", device=DEVICE, dtype=torch.float32)
-    prompt = torch.randint(0, 300, (1, 6), generator=torch.Generator().manual_seed(6)).to(DEVICE)
-    expected = theirs.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
-    got = ours.generate(prompt, max_new_tokens=12, temperature=0)
-    assert got.tolist() == expected.tolist()
-
-
-def test_ragged_batch_generation_equals_transformers_per_prompt(tmp_path):
-    """A Llama checkpoint generating a list of prompts of different lengths (paged KV cache, batched steps) gives
-    every prompt exactly the greedy tokens transformers gives it alone."""
-    from tritonlm import hf
-
-    theirs = _llama(seed=7)
-    theirs.save_pretrained(tmp_path)
-    ours = hf.from_pretrained(tmp_path, backend="reference", device=DEVICE, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(8)
-    prompts = [torch.randint(0, 300, (n,), generator=gen).to(DEVICE) for n in (6, 1, 19)]
-    outs = ours.generate(prompts, max_new_tokens=9, temperature=0)
-    for p, out in zip(prompts, outs):
-        expected = theirs.generate(p[None], max_new_tokens=9, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert out.tolist() == expected[0].tolist()
-
-
-@pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_mistral_sliding_window(tmp_path, backend):
-    """The window is a window (issue 31): the context is max_position_embeddings, and past the window the logits and
-    greedy generation (KV cache, true positions) equal transformers'; saved back as mistral with its window, which
-    transformers then runs windowed; apply_kernels runs the window itself."""
-    transformers = _transformers()
-    from tritonlm import hf
-
-    torch.manual_seed(7)
-    cfg = transformers.MistralConfig(**SIZES, sliding_window=8)
-    theirs = transformers.MistralForCausalLM(cfg).to(DEVICE).eval()
-    theirs.save_pretrained(tmp_path / "theirs")
-    ours = hf.from_pretrained(tmp_path / "theirs", backend=backend, device=DEVICE, dtype=torch.float32)
-    assert (ours.context_length, ours.config.sliding_window) == (64, 8)
-    with pytest.raises(ValueError, match="max_position_embeddings"):
-        hf.from_pretrained(tmp_path / "theirs", backend="reference", context_length=65)
-    long_ids = torch.randint(0, 300, (2, 19), generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    expected = theirs(long_ids).logits
-    torch.testing.assert_close(ours(long_ids), expected, atol=2e-5, rtol=1e-4)
-    prompt = torch.randint(0, 300, (1, 11), generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    want = theirs.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert ours.generate(prompt, max_new_tokens=20, temperature=0).tolist() == want.tolist()
-    if backend == "reference":
-        back = hf_round_trip(ours, tmp_path / "ours", "MistralForCausalLM", seq=30)
-        assert back.config.sliding_window == 8
-        patched = hf.apply_kernels(copy.deepcopy(theirs))
-        torch.testing.assert_close(patched(long_ids).logits, expected, atol=2e-5, rtol=1e-4)
-
-
-def _error(cfg_changes: dict, drop=()):
-    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **SIZES, **cfg_changes}
-    for key in drop:
-        cfg.pop(key)
-    with pytest.raises(ValueError) as info:
-        model_config_from_hf(cfg)
-    return str(info.value)
-
-
-def test_config_mapping_errors_name_the_field():
-    assert "attention_bias" in _error({"attention_bias": True})
-    assert "mlp_bias" in _error({"mlp_bias": True})
-    assert "yarn" in _error({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
-    assert "model_type" in _error({"model_type": "gpt2"})
-    assert "architectures" in _error({"architectures": ["LlamaForSequenceClassification"]})
-    assert "hidden_act" in _error({"hidden_act": "gelu"})
-    assert "head dim" in _error({"head_dim": 15})  # RoPE pairs need an even head dim
-    assert model_config_from_hf({"model_type": "llama", **SIZES, "head_dim": 32}).d_head == 32  # explicit: kept
-    # a key no family reads is refused by name (a missing key takes transformers' class default: tests/hf)
-    assert "made_up_scaling" in _error({"made_up_scaling": 2.0})
-    assert "original_max_position_embeddings" in _error({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
-    # both rope config styles read the same
-    v5 = model_config_from_hf({"model_type": "llama", **{k: v for k, v in SIZES.items() if k != "rope_theta"},
-                               "rope_parameters": {"rope_type": "llama3", "rope_theta": 500.0, **LLAMA3}})
-    v4 = model_config_from_hf({"model_type": "llama", **SIZES, "rope_scaling": LLAMA3})
-    assert v5 == v4 and v4.rope_theta == 500.0 and v4.rope_scaling["factor"] == 8.0
-
-
-def test_checkpoint_with_biases_is_refused(tmp_path):
-    from tritonlm import hf
-
-    theirs = _llama(attention_bias=True)
-    theirs.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="attention_bias"):
-        hf.from_pretrained(tmp_path)
-    with pytest.raises(FileNotFoundError, match="config.json"):
-        hf.from_pretrained(tmp_path / "nowhere")
+from helpers import (
+    DEVICE,
+    LLAMA_SIZES,
+    ON_CUDA,
+    tiny_llama,
+    transformers_or_skip,
+)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -217,7 +35,7 @@ def test_apply_kernels_matches_unpatched(dtype, monkeypatch):
     from tritonlm import hf
     from tritonlm.hf import patch
 
-    base = _llama(dtype=dtype, seed=8)
+    base = tiny_llama(dtype=dtype, seed=8)
     patched = hf.apply_kernels(copy.deepcopy(base))
     calls = {"attention": 0, "rope": 0}
     real_attention, real_rope = patch.tritonlm_attention, patch._rope_kernel
@@ -268,7 +86,7 @@ def test_apply_kernels_matches_unpatched(dtype, monkeypatch):
             torch.testing.assert_close(grads[name], grads_ref[name], atol=2e-5, rtol=1e-4, msg=name)
     else:
         # bf16: each side against the fp32 model, the patched one no further off than HF's own bf16 run
-        exact = _llama(dtype=torch.float32, seed=8).train()
+        exact = tiny_llama(dtype=torch.float32, seed=8).train()
         loss_32, grads_32 = _loss_and_grads(exact, ids, labels)
         assert abs(loss.float() - loss_32) <= 2 * abs(loss_ref.float() - loss_32) + 1e-2
         for name, g32 in grads_32.items():
@@ -280,7 +98,7 @@ def test_apply_kernels_matches_unpatched(dtype, monkeypatch):
 def test_apply_kernels_generation_and_removal():
     from tritonlm import hf
 
-    base = _llama(seed=10)
+    base = tiny_llama(seed=10)
     patched = hf.apply_kernels(copy.deepcopy(base))
     prompt = torch.randint(0, 300, (2, 5), generator=torch.Generator().manual_seed(11)).to(DEVICE)
     kw = dict(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -299,14 +117,14 @@ def test_apply_kernels_generation_and_removal():
 
 
 def test_apply_kernels_refuses_other_models():
-    transformers = _transformers()
+    transformers = transformers_or_skip()
     from tritonlm import hf
 
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     with pytest.raises(ValueError, match="model_type='gpt2'"):
         hf.apply_kernels(gpt2)
     with pytest.raises(ValueError, match="hidden_act"):
-        hf.apply_kernels(_llama(hidden_act="gelu"))
+        hf.apply_kernels(tiny_llama(hidden_act="gelu"))
 
 
 @pytest.mark.skipif(ON_CUDA, reason="checks the interpreter's half-split kernel against the formula on CPU")
@@ -364,57 +182,17 @@ def test_rms_norm_hf_casting(dtype):
 
 
 # ----------------------------------------------------------------------------------------------------
-# the model options real checkpoints need
-# ----------------------------------------------------------------------------------------------------
-def test_model_options_defaults_and_tying():
-    cfg = ModelConfig(vocab_size=50, context_length=16, d_model=32, num_layers=2, num_heads=4, d_ff=64)
-    assert (cfg.norm_eps, cfg.tie_embeddings, cfg.rope_scaling) == (1e-5, False, None)
-    cs336 = TransformerLM.from_config(cfg)
-    tied = TransformerLM.from_config(cfg.replace(tie_embeddings=True, norm_eps=1e-6))
-    assert tied.lm_head.weight is tied.token_embeddings.weight
-    assert all(m.eps == 1e-6 for m in tied.modules() if hasattr(m, "eps"))
-    # one RoPE module (its tables) shared by every layer
-    assert tied.layers[0].attn.rope is tied.layers[1].attn.rope
-    # a CS336 (untied) state_dict loads: both keys present, the head's matrix is the one that stays
-    tied.load_state_dict(cs336.state_dict())
-    assert torch.equal(tied.token_embeddings.weight, cs336.lm_head.weight)
-    from tritonlm.accounting import param_count
-
-    assert param_count(cfg.replace(tie_embeddings=True)) == sum(p.numel() for p in tied.parameters())
-    assert param_count(cfg) == sum(p.numel() for p in cs336.parameters())
-    with pytest.raises(ValueError, match="dynamic"):
-        cfg.replace(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
-    with pytest.raises(ValueError, match="norm_eps"):
-        cfg.replace(norm_eps=0.0)
-
-
-@pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_tied_model_trains_both_uses(backend):
-    """The shared matrix gets the gradient of both uses: equal to an untied model's two gradients summed."""
-    cfg = ModelConfig(vocab_size=50, context_length=16, d_model=32, num_layers=1, num_heads=4, d_ff=64,
-                      tie_embeddings=True, rope_scaling=LLAMA3)
-    tied = TransformerLM.from_config(cfg, backend=backend, device=DEVICE)
-    untied = TransformerLM.from_config(cfg.replace(tie_embeddings=False), backend=backend, device=DEVICE)
-    untied.load_state_dict(tied.state_dict())
-    ids = torch.randint(0, 50, (2, 9)).to(DEVICE)
-    tied.loss(ids[:, :-1], ids[:, 1:]).backward()
-    untied.loss(ids[:, :-1], ids[:, 1:]).backward()
-    torch.testing.assert_close(tied.lm_head.weight.grad,
-                               untied.lm_head.weight.grad + untied.token_embeddings.weight.grad, atol=1e-6, rtol=1e-5)
-
-
-# ----------------------------------------------------------------------------------------------------
 # apply_kernels: every way transformers says which keys a query sees, against unpatched sdpa
 # ----------------------------------------------------------------------------------------------------
 def _mistral(window, seed):
-    transformers = _transformers()
+    transformers = transformers_or_skip()
     torch.manual_seed(seed)
-    cfg = transformers.MistralConfig(**SIZES, sliding_window=window)
+    cfg = transformers.MistralConfig(**LLAMA_SIZES, sliding_window=window)
     return transformers.MistralForCausalLM(cfg).to(DEVICE).eval()
 
 
 def _flattened(lengths, flash_kwargs=False, seed=20):
-    transformers = _transformers()
+    transformers = transformers_or_skip()
     gen = torch.Generator().manual_seed(seed)
     docs = [{"input_ids": torch.randint(0, 300, (n,), generator=gen).tolist()} for n in lengths]
     batch = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(docs)
@@ -463,7 +241,7 @@ def test_apply_kernels_packed_position_ids(monkeypatch):
     from tritonlm.hf import patch
 
     monkeypatch.setattr(patch, "MASK_CHECK_ELEMENTS", 40)
-    base = _llama(seed=21)
+    base = tiny_llama(seed=21)
     batch = _flattened([5, 9, 3])
     patched = _compare_with_sdpa(base, batch)
     # and to each document alone (the packed logits are the documents' own)
@@ -477,7 +255,7 @@ def test_apply_kernels_packed_position_ids(monkeypatch):
 def test_apply_kernels_packed_rows_and_flash_kwargs():
     """Two rows each packing documents (position_ids [2, s]); and the flash-attention kwargs (cu_seq_lens_q/k,
     max_length_q/k) the collator passes with return_flash_attn_kwargs=True."""
-    base = _llama(seed=22)
+    base = tiny_llama(seed=22)
     gen = torch.Generator().manual_seed(23)
     ids = torch.randint(0, 300, (2, 12), generator=gen).to(DEVICE)
     position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 6, 0, 1, 0, 1, 2]]).to(DEVICE)
@@ -490,7 +268,7 @@ def test_apply_kernels_flash_kwargs_alone_decide_documents():
     as HF's flash-attention path reads them: each document against HF run on it alone at the same positions."""
     from tritonlm import hf
 
-    base = _llama(seed=24)
+    base = tiny_llama(seed=24)
     batch = _flattened([4, 6], flash_kwargs=True)
     patched = hf.apply_kernels(copy.deepcopy(base))
     kwargs = {k: batch[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
@@ -508,7 +286,7 @@ def test_apply_kernels_flash_kwargs_alone_decide_documents():
 
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_apply_kernels_padding_loss_and_grads(side):
-    base = _llama(seed=25)
+    base = tiny_llama(seed=25)
     gen = torch.Generator().manual_seed(26)
     ids = torch.randint(0, 300, (3, 11), generator=gen).to(DEVICE)
     mask = torch.ones_like(ids)
@@ -539,7 +317,7 @@ def test_apply_kernels_custom_4d_mask_runs_sdpa(monkeypatch):
     HF's sdpa attention, never to a different attention."""
     from transformers.integrations import sdpa_attention
 
-    base = _llama(seed=30)
+    base = tiny_llama(seed=30)
     ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(31)).to(DEVICE)
     allowed = torch.ones(9, 9, dtype=torch.bool).tril()
     allowed[:, :2] = True
@@ -551,32 +329,10 @@ def test_apply_kernels_custom_4d_mask_runs_sdpa(monkeypatch):
     assert calls  # the patched model did route through sdpa
 
 
-# ----------------------------------------------------------------------------------------------------
-# loading options, atomic patching, cache size
-# ----------------------------------------------------------------------------------------------------
-def test_from_pretrained_dtype_forms_and_swish(tmp_path):
-    """dtype as transformers takes it ("auto" = the checkpoint's, names, torch dtypes); hidden_act "swish" is
-    SiLU (compared with transformers' own model)."""
-    from tritonlm import hf
-
-    theirs = _llama(dtype=torch.bfloat16, seed=40, hidden_act="swish")
-    theirs.save_pretrained(tmp_path)
-    for dtype, expected in [("auto", torch.bfloat16), ("bfloat16", torch.bfloat16), ("torch.float16", torch.float16),
-                            (torch.float32, torch.float32), (None, torch.bfloat16)]:
-        model = hf.from_pretrained(tmp_path, backend="reference", device=DEVICE, dtype=dtype)
-        assert model.lm_head.weight.dtype == expected, dtype
-    for bad in ("int8", "fp32", torch.int64):
-        with pytest.raises(ValueError, match="dtype"):
-            hf.from_pretrained(tmp_path, dtype=bad)
-    ours = hf.from_pretrained(tmp_path, backend="reference", device=DEVICE, dtype="float32")
-    ids = torch.randint(0, 300, (1, 9)).to(DEVICE)
-    torch.testing.assert_close(ours(ids), theirs.float()(ids).logits, atol=2e-5, rtol=1e-4)
-
-
 def test_apply_kernels_is_atomic_and_idempotent():
     from tritonlm import hf
 
-    base = _llama(seed=41)
+    base = tiny_llama(seed=41)
     base.config._attn_implementation = "eager"
     model = copy.deepcopy(base)
     with pytest.raises(ValueError, match="lm_head"):
@@ -597,33 +353,10 @@ def test_apply_kernels_is_atomic_and_idempotent():
         assert torch.equal(twice(ids).logits, base(ids).logits)
 
 
-def test_kv_cache_grows_with_use():
-    """A model with a 131072-position context allocates for prompt + new tokens, not its whole context; a cache
-    that outgrows its first allocation keeps every cached position."""
-    from tritonlm.modules.reference import KVCache
-
-    model = TransformerLM(vocab_size=50, context_length=131072, d_model=32, num_layers=2, num_heads=2, d_ff=64,
-                          rope_theta=10000.0).to(DEVICE)
-    made = []
-    real = model.new_kv_caches
-    model.new_kv_caches = lambda *a, **k: made.append(real(*a, **k)) or made[-1]
-    out = model.generate(torch.tensor([1, 2, 3]).to(DEVICE), max_new_tokens=2, temperature=0)
-    assert out.shape == (5,)
-    assert made and all(c.capacity <= 5 for c in made[0])
-    cache, keys = KVCache(64, reserve=2), []
-    for n in (1, 2, 4, 1):
-        k = torch.randn(1, 2, n, 4)
-        keys.append(k)
-        got_k, got_v = cache.update(k, k + 1)
-    assert cache.capacity < 64
-    torch.testing.assert_close(got_k, torch.cat(keys, dim=-2))
-    torch.testing.assert_close(got_v, torch.cat(keys, dim=-2) + 1)
-
-
 def test_documents_found_only_in_a_mask_of_documents():
     """The packed-mask reader against transformers' own mask functions: causal within documents gives the
     documents (also with a window); one extra visible key (an overlay) gives None, so sdpa runs it."""
-    _transformers()
+    transformers_or_skip()
     from transformers.masking_utils import (
         and_masks,
         causal_mask_function,
@@ -650,7 +383,7 @@ def test_apply_kernels_left_padded_generation(family):
     Mistral's window shorter than the prompt: the same tokens as unpatched sdpa."""
     from tritonlm import hf
 
-    base = _llama(seed=43) if family == "llama" else _mistral(window=4, seed=43)
+    base = tiny_llama(seed=43) if family == "llama" else _mistral(window=4, seed=43)
     base.config._attn_implementation = "sdpa"
     patched = hf.apply_kernels(copy.deepcopy(base))
     ids = torch.randint(1, 300, (3, 9), generator=torch.Generator().manual_seed(44)).to(DEVICE)
@@ -665,7 +398,7 @@ def test_apply_kernels_left_padded_generation(family):
 def test_apply_kernels_packed_bf16():
     """bf16 packed documents: the patched logits no further from the fp32 model than HF's own bf16 sdpa run."""
     batch = _flattened([6, 11, 4], seed=45)
-    exact = _llama(seed=46)
+    exact = tiny_llama(seed=46)
     exact.config._attn_implementation = "sdpa"
     half = copy.deepcopy(exact).to(torch.bfloat16)
     from tritonlm import hf

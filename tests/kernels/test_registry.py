@@ -9,7 +9,7 @@ import torch
 from tritonlm import kernels
 from tritonlm.kernels import _registry, tuned
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_every_public_kernel_entry_point_belongs_to_a_registered_op():

@@ -10,7 +10,7 @@ import torch
 
 from tritonlm import ModelConfig, TransformerLM, profiling
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _cli(*args, env=None):

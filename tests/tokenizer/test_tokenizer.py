@@ -207,7 +207,7 @@ def test_encode_file_matches_encode(tmp_path):
 
 
 def test_streaming_with_default_buffering_equals_encode(gpt2, shared_data):
-    import tritonlm.tokenizer as T
+    import tritonlm.tokenizer.encoder as T  # (the module whose constant encode_iterable reads)
 
     text = (shared_data / "tinyshakespeare.txt").read_text(encoding="utf-8")[:60_000] + "<|endoftext|> end"
     saved, T.STREAM_BUFFER_CHARS = T.STREAM_BUFFER_CHARS, 8192

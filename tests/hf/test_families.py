@@ -1,7 +1,8 @@
-"""Gemma, Qwen2, Qwen3, Qwen2-MoE and Qwen3-MoE checkpoints against transformers' own models, on tiny random
-configs: GeGLU, RMSNorm (1 + w), scaled embeddings, q/k/v biases, per-head q/k norms, an explicit head_dim, dense
-layers among MoE ones, a gated shared expert.
-Logits, the loss (with the load-balancing term for MoE) and every gradient; the save/load round trip.
+"""Every family beyond Llama / Mistral / Mixtral against transformers' own model, on tiny random configs: Gemma 1/2/3,
+OLMo 2/3, Phi-3, Qwen2/3 and their MoE models, and the six dense families of the record redesign (SmolLM3, GLM-4,
+Granite, ERNIE 4.5, Seed-OSS, OLMo 3). from_pretrained (logits, the loss with the load-balancing term for MoE, every
+gradient; both backends), the save/load round trip read back by transformers, apply_kernels (padded and packed
+batches, launch counts, bf16), greedy and ragged-batch generation, bf16 loading and ``accounting --hf``.
 
 Needs the optional extra (``pip install 'tritonlm[hf]'``); skipped with that reason when it is absent.
 """
@@ -11,7 +12,7 @@ import torch
 
 from tritonlm import ModelConfig, TransformerLM
 
-from helpers import DEVICE, hf_round_trip
+from helpers import DEVICE, hf_grads, hf_round_trip, transformers_or_skip
 
 BASE = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
             vocab_size=120, max_position_embeddings=64, rms_norm_eps=1e-6, router_aux_loss_coef=0.02)
@@ -76,13 +77,8 @@ NEW_FAMILIES = {
 FAMILIES.update({kind: spec[:3] for kind, spec in NEW_FAMILIES.items()})
 
 
-def _transformers():
-    pytest.importorskip("safetensors", reason="the optional extra tritonlm[hf] (safetensors) is not installed")
-    return pytest.importorskip("transformers", reason="the optional extra tritonlm[hf] (transformers) is not installed")
-
-
 def _model(kind, seed=0):
-    transformers = _transformers()
+    transformers = transformers_or_skip()
     config_class, model_class, extra = FAMILIES[kind]
     torch.manual_seed(seed)
     cfg = getattr(transformers, config_class)(**{k: v for k, v in BASE.items() if kind.endswith("moe")
@@ -104,28 +100,11 @@ def _model(kind, seed=0):
     return model.to(DEVICE).eval()
 
 
-def _hf_grads(model: TransformerLM) -> dict:
-    """Our gradients under transformers' in-memory names (experts stacked as transformers 5 holds them)."""
-    from tritonlm.hf.checkpoint import state_to_hf
-
-    grads = state_to_hf({n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}, model.config)
-    cfg = model.config
-    for i in range(cfg.num_layers):
-        if not cfg.is_moe_layer(i):
-            continue
-        block = f"model.layers.{i}.mlp.experts"
-        experts = [[grads.pop(f"{block}.{j}.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj")]
-                   for j in range(cfg.num_experts)]
-        grads[f"{block}.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u, _ in experts])
-        grads[f"{block}.down_proj"] = torch.stack([d for _, _, d in experts])
-    return grads
-
-
 #: the families whose fused run exercises a kernel path the others do not (softcap + windows, local RoPE bases and
 #: offset q/k norms, projection q/k norms, partial RoPE + fused projections, experts with a shared expert); the
-#: reference backend runs every family (the fused Llama / Mistral / Mixtral runs are in test_hf.py / test_hf_moe.py)
+#: reference backend runs every family (the fused Llama / Mistral / Mixtral runs are in test_llama_mistral.py / test_mixtral.py)
 FUSED_KINDS = ("gemma2", "gemma3_text", "olmo2", "phi3", "qwen2_moe", *NEW_FAMILIES)
-#: the families whose bf16, generation and command-line checks run here (the others': test_hf.py, test_hf_moe.py)
+#: the families whose bf16, generation and command-line checks run here (the others': test_llama_mistral.py, test_apply_kernels.py, test_mixtral.py)
 CHECKED_KINDS = ["gemma2", "gemma3_text", "olmo2", "phi3", *NEW_FAMILIES]
 
 
@@ -162,7 +141,7 @@ def test_from_pretrained_matches_transformers(kind, backend, tmp_path):
     torch.testing.assert_close(loss, expected.loss, atol=2e-5, rtol=1e-5)
     expected.loss.backward()
     loss.backward()
-    grads = _hf_grads(ours)
+    grads = hf_grads(ours)
     for name, p in theirs.named_parameters():
         if p.grad is None:
             continue
@@ -171,7 +150,7 @@ def test_from_pretrained_matches_transformers(kind, backend, tmp_path):
 
 @pytest.mark.parametrize("kind", list(FAMILIES))
 def test_save_pretrained_round_trip(kind, tmp_path):
-    _transformers()
+    transformers_or_skip()
     from tritonlm import hf
 
     hf_dir = tmp_path / "theirs"
@@ -182,7 +161,7 @@ def test_save_pretrained_round_trip(kind, tmp_path):
 
 
 def test_qwen_options_without_a_family_are_refused(tmp_path):
-    _transformers()
+    transformers_or_skip()
     from tritonlm import hf
 
     cfg = ModelConfig(vocab_size=50, context_length=16, d_model=32, num_layers=1, num_heads=4, d_ff=48,
@@ -262,7 +241,7 @@ def test_readme_supported_models_table_matches_the_code():
 
     from tritonlm.hf import SUPPORTED_MODELS, readme_table
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
     section = readme.split("### Supported models", 1)[1].split("\n\n", 2)[1]
     assert section.strip() == readme_table()
     rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()[2:]]
@@ -288,7 +267,7 @@ def test_new_families_greedy_generation_equals_transformers(kind, tmp_path):
 
 
 def test_phi3_options_without_an_equivalent_are_refused():
-    _transformers()
+    transformers_or_skip()
     from tritonlm import hf
 
     base = {"model_type": "phi3", **{k: v for k, v in BASE.items() if k != "router_aux_loss_coef"}}
@@ -388,7 +367,7 @@ def test_new_families_in_bf16_and_from_the_command_line(kind, tmp_path, capsys):
     for model_loss in (loss32, loss16, loss):
         model_loss.backward()
     assert abs(loss.float() - loss32) <= 2 * abs(loss16.float() - loss32) + 1e-2
-    grads = _hf_grads(ours)
+    grads = hf_grads(ours)
     scale = _gradient_scales({name: p.grad for name, p in theirs32.named_parameters()})
     for name, p in theirs32.named_parameters():
         g16 = dict(theirs16.named_parameters())[name].grad.float()
@@ -396,3 +375,22 @@ def test_new_families_in_bf16_and_from_the_command_line(kind, tmp_path, capsys):
         assert err <= 2 * err_ref + 0.02, (name, err, err_ref)
     assert main(["accounting", "--hf", str(tmp_path / "hf"), "--seq-len", "32"]) == 0
     assert "parameters" in capsys.readouterr().out.lower()
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3_text"])
+def test_gemma_without_sliding_layers_round_trips(kind, tmp_path):
+    """Issue 31: a Gemma 2 / 3 whose layers are all full attention saves a window size transformers accepts (it
+    refuses a null sliding_window) and comes back as the same model."""
+    transformers = transformers_or_skip()
+    from tritonlm import hf
+
+    config_class, model_class, extra = FAMILIES[kind]
+    torch.manual_seed(3)
+    theirs = getattr(transformers, model_class)(getattr(transformers, config_class)(
+        **{k: v for k, v in BASE.items() if k != "router_aux_loss_coef"},
+        **{**extra, "layer_types": ["full_attention"] * 2})).eval()
+    theirs.save_pretrained(tmp_path / "theirs")
+    ours = hf.from_pretrained(tmp_path / "theirs", backend="reference", dtype=torch.float32, device=DEVICE)
+    assert ours.config.sliding_window is None and ours.config.model_type == kind
+    back = hf_round_trip(ours, tmp_path / "ours", model_class)
+    assert set(back.config.layer_types) == {"full_attention"}

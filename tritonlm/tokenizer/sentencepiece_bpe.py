@@ -10,8 +10,10 @@ the file, each checked against the ``tokenizers`` library in tests:
   a word starts at each ``▁``);
 - model: BPE merges by rank over the characters of each word (lowest rank first, leftmost first), ``byte_fallback``,
   ``unk_token`` with ``fuse_unk``;
-- added tokens: matched in the raw text first (longest first), each its own id; the text between them is
-  normalized and encoded on its own;
+- added tokens, as ``tokenizers`` matches them: those with ``normalized: false`` in the raw text first (longest
+  first), each its own id; the text between them is normalized, and those with ``normalized: true`` are matched in
+  that normalized text, by their own normalized content (with Llama 2's ``Prepend`` normalizer, ``</s>`` is found
+  as ``▁</s>``: ``"a</s>b"`` spells it out); the rest is pre-tokenized and encoded;
 - decoder: ``Replace("▁", " ")``, ``ByteFallback`` (a run of ``<0xNN>`` tokens becomes its bytes, or one U+FFFD per
   byte when they are not valid UTF-8), ``Fuse``, ``Strip`` (leading / trailing spaces), or ``Metaspace``.
 
@@ -24,6 +26,8 @@ import heapq
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+from .pretokenize import _special_splitter
 
 SPACE = "\u2581"  # ▁
 
@@ -44,7 +48,7 @@ class SentencePieceBPE:
 
     def __init__(self, pieces: dict[str, int], merges: list[tuple[str, str]], *, byte_fallback: bool,
                  unk_token: str | None, fuse_unk: bool, prepend: str, split_words: bool, added: dict[str, int],
-                 decoder: list[dict]):
+                 decoder: list[dict], normalized_added: frozenset = frozenset(), normalizer_replace: bool = False):
         self.pieces = dict(pieces)
         self.byte_fallback, self.fuse_unk = byte_fallback, fuse_unk
         self.unk_id = self.pieces.get(unk_token) if unk_token else None
@@ -54,6 +58,7 @@ class SentencePieceBPE:
         # Metaspace's "always" / "first" (only the stretch at the start of the text) / "never", added only
         # where the stretch does not start with ▁ already
         self.prepend, self.split_words = prepend, split_words
+        self.normalizer_replace = normalizer_replace  # (the normalizer's Replace; else Metaspace replaces)
         self._piece_of = {i: p for p, i in self.pieces.items()}
         for content, i in added.items():
             self._piece_of[i] = content
@@ -69,8 +74,11 @@ class SentencePieceBPE:
             self._ranks.setdefault(key, (rank, merged))
         self.special_tokens = list(added)
         self._special_ids = dict(added)
-        self._splitter = (re.compile("|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)))
-                          if added else None)
+        # added tokens matched in the raw text, and those matched in the normalized text by their normalized content
+        raw = [t for t in added if t not in normalized_added]
+        self._normalized_ids = {self._normalize(t): added[t] for t in added if t in normalized_added}
+        self._splitter = _special_splitter(raw)
+        self._normalized_splitter = _special_splitter(self._normalized_ids)
         self.decoder = decoder
         self.template: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
         # bytes of each id's text (what generation's "can this id be decoded" check and vocab sizes read)
@@ -87,13 +95,13 @@ class SentencePieceBPE:
         if model.get("ignore_merges"):
             raise ValueError(f"{file}: model.ignore_merges with a SentencePiece-style BPE is not supported")
         # ---- normalizer: [Prepend(▁)] then Replace(" " -> ▁)
-        prepend, replace = "never", False
+        prepend, replace, normalizer_replace = "never", False, False
         for step in _steps(spec.get("normalizer"), "normalizers"):
             kind = step.get("type")
             if kind == "Prepend" and step.get("prepend") == SPACE and not replace:
                 prepend = "normalizer"
             elif kind == "Replace" and (step.get("pattern") or {}).get("String") == " " and step.get("content") == SPACE:
-                replace = True
+                replace = normalizer_replace = True
             else:
                 raise ValueError(f"{file}: normalizer step {kind} {step} is not supported for a SentencePiece BPE")
         # ---- pre_tokenizer: none or Metaspace
@@ -116,12 +124,14 @@ class SentencePieceBPE:
         for step in decoder:
             if step.get("type") not in ("Replace", "ByteFallback", "Fuse", "Strip", "Metaspace"):
                 raise ValueError(f"{file}: decoder step {step.get('type')} is not supported")
-        added = {}
+        added, normalized = {}, set()
         for token in spec.get("added_tokens", []):
             flags = [f for f in ("lstrip", "rstrip", "single_word") if token.get(f)]
             if flags:
                 raise ValueError(f"{file}: added token {token['content']!r} sets {', '.join(flags)}: not supported")
             added[token["content"]] = int(token["id"])
+            if token.get("normalized", not token.get("special", False)):  # (tokenizers' default)
+                normalized.add(token["content"])
         merges = []
         for merge in model.get("merges", []):
             parts = merge.split(" ") if isinstance(merge, str) else list(merge)
@@ -130,7 +140,8 @@ class SentencePieceBPE:
             merges.append((parts[0], parts[1]))
         return cls(model.get("vocab", {}), merges, byte_fallback=bool(model.get("byte_fallback")),
                    unk_token=model.get("unk_token"), fuse_unk=bool(model.get("fuse_unk")), prepend=prepend,
-                   split_words=split_words, added=added, decoder=decoder)
+                   split_words=split_words, added=added, decoder=decoder, normalized_added=frozenset(normalized),
+                   normalizer_replace=normalizer_replace)
 
     # -- encoding ------------------------------------------------------------------------------------
     def _symbols(self, word: str) -> list[int]:
@@ -172,13 +183,34 @@ class SentencePieceBPE:
                 heapq.heappush(heap, (ranks[(ids[h], ids[i])][0], h))
         return [t for t in ids if t >= 0]
 
+    def _normalize(self, text: str) -> str:
+        """The normalizer steps (Prepend ``▁`` to a non-empty text, Replace spaces), as ``tokenizers`` runs them on
+        each stretch between raw-matched added tokens (and on a normalized added token's own content)."""
+        if not text:
+            return text
+        if self.prepend == "normalizer":
+            text = SPACE + text
+        return text.replace(" ", SPACE) if self.normalizer_replace else text
+
     def _encode_segment(self, text: str, first: bool, out: list[int]) -> None:
-        """Normalize one stretch of text between added tokens and encode it (``first``: it starts the text)."""
+        """Normalize one stretch of text between raw-matched added tokens, split it at the normalized added tokens
+        it holds, and pre-tokenize and encode the rest (``first``: the stretch starts the text)."""
+        text = self._normalize(text)
+        pos = 0
+        if self._normalized_splitter is not None:
+            for m in self._normalized_splitter.finditer(text):
+                self._encode_piece(text[pos:m.start()], first and pos == 0, out)
+                out.append(self._normalized_ids[m.group()])
+                pos = m.end()
+        self._encode_piece(text[pos:], first and pos == 0, out)
+
+    def _encode_piece(self, text: str, first: bool, out: list[int]) -> None:
+        """The pre-tokenizer (Metaspace: spaces to ``▁``, the prefix ``▁`` by its scheme, words split at ``▁``) and
+        the model on a normalized piece (``first``: it starts the text)."""
         if not text:
             return
         text = text.replace(" ", SPACE)
-        if self.prepend == "normalizer" or (
-                (self.prepend == "always" or (self.prepend == "first" and first)) and not text.startswith(SPACE)):
+        if (self.prepend == "always" or (self.prepend == "first" and first)) and not text.startswith(SPACE):
             text = SPACE + text
         if self.split_words:  # each word starts at a ▁ (MergedWithNext)
             words = [w for w in re.split(f"(?={SPACE})", text) if w]

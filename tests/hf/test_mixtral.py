@@ -12,41 +12,22 @@ import torch
 
 from tritonlm import ModelConfig, TransformerLM
 
-from helpers import DEVICE, hf_round_trip
+from helpers import DEVICE, hf_grads, hf_round_trip, transformers_or_skip
 
 SIZES = dict(hidden_size=32, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
              vocab_size=120, max_position_embeddings=64, num_local_experts=5, num_experts_per_tok=2,
              rms_norm_eps=1e-6, router_aux_loss_coef=0.02)
 
 
-def _transformers():
-    pytest.importorskip("safetensors", reason="the optional extra tritonlm[hf] (safetensors) is not installed")
-    return pytest.importorskip("transformers", reason="the optional extra tritonlm[hf] (transformers) is not installed")
-
-
 @pytest.fixture(scope="module")
 def mixtral_dir(tmp_path_factory):
     """A tiny random MixtralForCausalLM saved by transformers (per-expert tensors, as on the Hub), and the model."""
-    transformers = _transformers()
+    transformers = transformers_or_skip()
     torch.manual_seed(0)
     model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**SIZES)).to(DEVICE).eval()
     path = tmp_path_factory.mktemp("mixtral")
     model.save_pretrained(path)
     return path, model
-
-
-def _grads_as_hf(model: TransformerLM) -> dict:
-    from tritonlm.hf.checkpoint import state_to_hf
-
-    return state_to_hf({name: p.grad for name, p in model.named_parameters(remove_duplicate=False)}, model.config)
-
-
-def _stacked(hf_grads: dict, layer: int, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-expert gradient tensors of one layer stacked the way transformers 5 holds the parameters."""
-    block = f"model.layers.{layer}.block_sparse_moe.experts"
-    gate_up = torch.stack([torch.cat([hf_grads[f"{block}.{j}.w1.weight"], hf_grads[f"{block}.{j}.w3.weight"]])
-                           for j in range(experts)])
-    return gate_up, torch.stack([hf_grads[f"{block}.{j}.w2.weight"] for j in range(experts)])
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
@@ -73,15 +54,9 @@ def test_mixtral_from_pretrained_matches_transformers(mixtral_dir, backend):
     torch.testing.assert_close(ours.loss(ids, targets, aux_loss=False), plain, atol=2e-5, rtol=1e-5)
     expected.loss.backward()
     loss.backward()
-    grads = _grads_as_hf(ours)
+    grads = hf_grads(ours)  # (per-expert tensors stacked as transformers 5 holds them)
     for name, p in theirs.named_parameters():
-        if ".experts." in name:
-            layer = int(name.split(".")[2])
-            gate_up, down = _stacked(grads, layer, cfg.num_experts)
-            mine = gate_up if name.endswith("gate_up_proj") else down
-        else:
-            mine = grads[name.replace(".mlp.gate.", ".block_sparse_moe.gate.")]
-        torch.testing.assert_close(mine, p.grad, atol=2e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(grads[name], p.grad, atol=2e-5, rtol=1e-4, msg=name)
 
 
 def test_stacked_checkpoint_loads_like_the_per_expert_one(mixtral_dir, tmp_path):
@@ -100,7 +75,7 @@ def test_stacked_checkpoint_loads_like_the_per_expert_one(mixtral_dir, tmp_path)
 
 
 def test_mixtral_save_pretrained_round_trip(tmp_path):
-    _transformers()
+    transformers_or_skip()
 
     cfg = ModelConfig(vocab_size=120, context_length=48, d_model=32, num_layers=2, num_heads=4, d_ff=40,
                       num_kv_heads=2, norm_eps=1e-6, num_experts=4, experts_per_token=2, moe_d_ff=40,
@@ -113,7 +88,7 @@ def test_mixtral_save_pretrained_round_trip(tmp_path):
 
 
 def test_moe_layouts_without_an_hf_equivalent_are_refused(tmp_path):
-    _transformers()
+    transformers_or_skip()
     from tritonlm import hf
 
     cfg = ModelConfig.preset("tiny-moe").replace(moe_layers=(0, 2), model_type="mixtral")
@@ -135,7 +110,7 @@ def test_router_jitter_is_a_one_line_error():
 # apply_kernels on MoE models
 # ----------------------------------------------------------------------------------------------------
 def _moe_model(kind, dtype=torch.float32, seed=30):
-    transformers = _transformers()
+    transformers = transformers_or_skip()
     torch.manual_seed(seed)
     if kind == "mixtral":
         cfg = transformers.MixtralConfig(**SIZES)
@@ -237,7 +212,7 @@ def test_mixtral_config_styles_read_alike():
 def test_apply_kernels_moe_packed_batch():
     """DataCollatorWithFlattening's packed row (position_ids restarting per document): logits, the loss with the
     load-balancing term and every gradient equal the unpatched model's on the same packed batch."""
-    transformers = _transformers()
+    transformers = transformers_or_skip()
     from tritonlm import hf
 
     base = _moe_model("mixtral", seed=40)

@@ -17,7 +17,7 @@ from tritonlm.data import get_batch
 from tritonlm.optim import AdamW, clip_grad_norm_, cosine_lr_schedule
 from tritonlm.train import TrainConfig, TrainError, train
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_adamw_matches_torch_over_steps():
