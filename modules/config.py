@@ -18,6 +18,8 @@ NORM_POSITIONS = ("pre", "post", "output")
 ROPE_SCALING_FIELDS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "linear": ("factor",),
+    # YaRN (gpt-oss, DeepSeek-V3): beta_fast / beta_slow / truncate / attention_factor / mscale(_all_dim) optional
+    "yarn": ("factor", "original_max_position_embeddings"),
 }
 
 
@@ -37,6 +39,10 @@ def check_rope_scaling(scaling) -> dict:
         raise ValueError(f"rope_scaling {kind!r} lacks {', '.join(missing)}")
     if kind == "linear" and not (isinstance(scaling["factor"], (int, float)) and scaling["factor"] > 0):
         raise ValueError(f"rope_scaling 'linear' needs factor > 0, got {scaling!r}")
+    if kind == "yarn" and not (isinstance(scaling["factor"], (int, float)) and scaling["factor"] > 0
+                               and scaling["original_max_position_embeddings"] > 0):
+        raise ValueError(f"rope_scaling 'yarn' needs factor > 0 and original_max_position_embeddings > 0, got "
+                         f"{scaling!r}")
     if kind == "llama3":
         if not scaling["factor"] > 0 or not scaling["high_freq_factor"] > scaling["low_freq_factor"] > 0:
             raise ValueError("rope_scaling 'llama3' needs factor > 0 and high_freq_factor > low_freq_factor > 0, "
@@ -102,6 +108,15 @@ class ModelConfig:
     mlp_bias: bool = False  # biases on the dense FFN's three projections (ERNIE 4.5)
     residual_scale: float | None = None  # each branch's output times this before its residual add (Granite)
     logits_divisor: float | None = None  # the logits are divided by this, in the loss too (Granite's logits_scaling)
+    # gpt-oss: attention sinks (a learned logit per query head in every row's softmax, carrying no value), the
+    # router's linear bias and softmax over the chosen logits, expert biases and the clamped SwiGLU
+    attention_sinks: bool = False
+    router_bias: bool = False
+    router_softmax_after_topk: bool = False
+    expert_bias: bool = False
+    expert_activation: str = "silu"  # "silu" (SwiGLU experts) or "swiglu_clamped" (gpt-oss, with alpha and limit)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     # the dropout probability the checkpoint was trained with (Seed-OSS: 0.1). The kernels have no dropout: eval
     # and generation are exact, a forward in training mode with dropout > 0 is an error (replace it with 0.0 to
     # fine-tune without dropout)
@@ -238,6 +253,16 @@ class ModelConfig:
                                                   for i in self.nope_layers):
                 raise ValueError(f"ModelConfig.nope_layers must be layer indices in [0, {self.num_layers}) with "
                                  f"position='rope', got {self.nope_layers!r}")
+        for name in ("attention_sinks", "router_bias", "router_softmax_after_topk", "expert_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.expert_activation not in ("silu", "swiglu_clamped"):
+            raise ValueError(f"ModelConfig.expert_activation must be 'silu' or 'swiglu_clamped', got "
+                             f"{self.expert_activation!r}")
+        for name in ("swiglu_alpha", "swiglu_limit"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"ModelConfig.{name} must be a positive number, got {value!r}")
         if self.model_type is not None and not isinstance(self.model_type, str):
             raise ValueError(f"ModelConfig.model_type must be a string or None, got {self.model_type!r}")
 

@@ -12,10 +12,13 @@ from einops import einsum
 
 
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Softmax along ``dim``; the max is subtracted first so ``exp`` never overflows."""
-    shifted = x - x.amax(dim=dim, keepdim=True)
+    """Softmax along ``dim``; the max is subtracted first so ``exp`` never overflows. 16-bit inputs are computed in
+    fp32 and the result rounded once to their dtype (as ``torch.softmax`` does): a sum of many bf16 terms would
+    otherwise lose the small ones."""
+    work = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    shifted = work - work.amax(dim=dim, keepdim=True)
     exp = torch.exp(shifted)
-    return exp / exp.sum(dim=dim, keepdim=True)
+    return (exp / exp.sum(dim=dim, keepdim=True)).to(x.dtype)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
@@ -39,7 +42,7 @@ def causal_mask(n_queries: int, n_keys: int, device=None, window: int | None = N
 
 def scaled_dot_product_attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor,
                                  mask: torch.Tensor | None = None, *, scale: float | None = None,
-                                 softcap: float = 0.0) -> torch.Tensor:
+                                 softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``softmax(Q Kᵀ · scale) V``, ``scale`` defaulting to ``1 / sqrt(d_k)``.
 
     Args:
@@ -48,6 +51,9 @@ def scaled_dot_product_attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tens
             no key to attend to yields zeros.
         softcap: when > 0, the scaled scores ``s`` become ``softcap · tanh(s / softcap)`` before the softmax
             (Gemma 2's attention logit cap; flash-attn's ``softcap``).
+        sinks: optional logits broadcastable to ``[..., queries]`` (gpt-oss's attention sinks: ``[heads, 1]`` for
+            ``[..., heads, queries, d]``): each row's softmax gains one more logit that no value carries,
+            ``p_j = exp(s_j) / (exp(sink) + Σ_k exp(s_k))``.
     Returns:
         ``[..., queries, d_v]``.
     """
@@ -64,7 +70,11 @@ def scaled_dot_product_attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tens
             raise TypeError(f"mask must be boolean (True = attend), got {mask.dtype}")
         # a finite fill keeps fully-masked rows NaN-free (uniform softmax), and they are zeroed below
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    probs = softmax(scores, dim=-1)
+    if sinks is not None:  # the sink's column joins the softmax, then is dropped: it carries no value
+        column = sinks.to(scores.dtype).unsqueeze(-1).expand(*scores.shape[:-1], 1)
+        probs = softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = softmax(scores, dim=-1)
     if mask is not None:
         probs = probs.masked_fill(~mask, 0.0)
     return einsum(probs, V, "... queries keys, ... keys d_v -> ... queries d_v")
@@ -111,17 +121,30 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: 
     return per_token.sum() / keep.sum().clamp(min=1)
 
 
+def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's gated unit: ``(clamp(up, ±limit) + 1) · g·σ(alpha·g)`` with ``g = min(gate, limit)``."""
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(alpha * gate))
+
+
 def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, *, activation: str = "silu") -> torch.Tensor:
+                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, *, activation: str = "silu",
+                gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                alpha: float = 1.702, limit: float = 7.0, gate_up_layout: str = "stacked") -> torch.Tensor:
     """The routed experts' FFNs, one expert at a time (the readable spec of ``kernels.moe_experts``).
 
-    For every expert ``e`` and the (token, slot) pairs routed to it: ``h = act(x W_gateᵀ) * (x W_upᵀ)`` with
-    ``[W_gate; W_up] = gate_up_proj[e]`` (``[2I, H]``, gate rows first), ``y = h down_proj[e]ᵀ``, added to each
-    token's output with the pair's routing weight. ``hidden [..., H]``, ``top_k_index / top_k_weights [..., K]``.
+    For every expert ``e`` and the (token, slot) pairs routed to it: ``[g, u] = x gate_up_proj[e]ᵀ (+ gate_up_bias[e])``
+    (``[2I, H]``: gate rows first, or with ``gate_up_layout="interleaved"`` alternating gate / up rows), ``h =
+    act(g) * u`` (or gpt-oss's ``"swiglu_clamped"``), ``y = h down_proj[e]ᵀ (+ down_bias[e])``, added to each token's
+    output with the pair's routing weight. ``hidden [..., H]``, ``top_k_index / top_k_weights [..., K]``.
     """
-    acts = {"silu": silu, "gelu_tanh": lambda g: torch.nn.functional.gelu(g, approximate="tanh")}
+    acts = {"silu": lambda g, u: silu(g) * u,
+            "gelu_tanh": lambda g, u: torch.nn.functional.gelu(g, approximate="tanh") * u,
+            "swiglu_clamped": lambda g, u: _clamped_swiglu(g, u, alpha, limit)}
     if activation not in acts:
         raise ValueError(f"activation must be one of {tuple(acts)}, got {activation!r}")
+    if gate_up_layout not in ("stacked", "interleaved"):
+        raise ValueError(f"gate_up_layout must be 'stacked' or 'interleaved', got {gate_up_layout!r}")
     d_ff = gate_up_proj.shape[1] // 2
     x = hidden.reshape(-1, hidden.shape[-1])
     index = top_k_index.reshape(x.shape[0], -1)
@@ -132,22 +155,38 @@ def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
         if token.numel() == 0:
             continue
         gate_up = einsum(x[token], gate_up_proj[e], "pairs d_model, d_ff2 d_model -> pairs d_ff2")
-        h = acts[activation](gate_up[:, :d_ff]) * gate_up[:, d_ff:]
-        y = einsum(h, down_proj[e], "pairs d_ff, d_model d_ff -> pairs d_model")
+        if gate_up_bias is not None:
+            gate_up = gate_up + gate_up_bias[e]
+        if gate_up_layout == "interleaved":
+            gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
+        else:
+            gate, up = gate_up[:, :d_ff], gate_up[:, d_ff:]
+        y = einsum(acts[activation](gate, up), down_proj[e], "pairs d_ff, d_model d_ff -> pairs d_model")
+        if down_bias is not None:
+            y = y + down_bias[e]
         # (the routing weight multiplies in the promoted dtype, as transformers' eager experts do; then x's dtype)
         out = out.index_add(0, token, (y * weights[token, slot, None]).to(out.dtype))
     return out.reshape(hidden.shape)
 
 
-def moe_router(hidden: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: bool = True
+def moe_router(hidden: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: bool = True, *,
+               logit_bias: torch.Tensor | None = None, softmax_after_topk: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k routing of ``hidden [..., H]`` by a router ``weight [E, H]`` (Mixtral / Qwen3-MoE semantics).
 
-    Returns ``(router_logits [T, E]`` in hidden's dtype, ``top_k_weights [T, K]`` fp32, ``top_k_index [T, K])`` for
-    the ``T`` tokens of the flattened leading dims: the softmax over experts is taken in fp32, the ``top_k`` largest
-    probabilities are kept and, with ``norm_topk_prob``, renormalised to sum to 1 per token.
+    Returns ``(router_logits [T, E]`` in hidden's dtype, ``top_k_weights [T, K]``, ``top_k_index [T, K])`` for the
+    ``T`` tokens of the flattened leading dims: the softmax over experts is taken in fp32, the ``top_k`` largest
+    probabilities are kept and, with ``norm_topk_prob``, renormalised to sum to 1 per token. ``logit_bias [E]``:
+    the router's linear bias (gpt-oss), added to the logits (it moves both the choice and the weights).
+    ``softmax_after_topk`` (gpt-oss): the ``top_k`` largest logits are chosen and their softmax, in the logits'
+    dtype, is the weights (``norm_topk_prob`` has nothing left to do).
     """
     logits = einsum(hidden.reshape(-1, hidden.shape[-1]), weight, "tokens d_model, experts d_model -> tokens experts")
+    if logit_bias is not None:
+        logits = logits + logit_bias
+    if softmax_after_topk:
+        top_logits, top_k_index = torch.topk(logits, top_k, dim=-1)
+        return logits, softmax(top_logits, dim=-1), top_k_index
     probs = softmax(logits.float(), dim=-1)
     top_k_weights, top_k_index = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:

@@ -124,7 +124,7 @@ class MultiHeadSelfAttention(_ref.MultiHeadSelfAttention):
     def attend(self, q, k, v):
         # GQA: k, v keep their num_kv_heads heads; the kernel maps each query head to its kv head
         return _kernels().FlashAttention.apply(q, k, v, True, self.softmax_scale, self._window, None, None, 0, 0, True,
-                                               self.softcap or 0.0)
+                                               self.softcap or 0.0, self.sinks)
 
     def attend_paged(self, q, k, v, cache):
         """The paged cache through ``flash_attn_with_kvcache``: the new keys written into the pool in place and
@@ -135,7 +135,7 @@ class MultiHeadSelfAttention(_ref.MultiHeadSelfAttention):
             q.transpose(-3, -2), k_pool, v_pool, k.transpose(-3, -2).to(k_pool.dtype),
             v.transpose(-3, -2).to(v_pool.dtype), cache_seqlens=pool.cache_seqlens, block_table=pool.block_table,
             causal=True, softmax_scale=self.softmax_scale, window_size=self._window or (-1, -1),
-            softcap=self.softcap or 0.0)
+            softcap=self.softcap or 0.0, sinks=self.sinks)
         return out.transpose(-3, -2)
 
     def attend_documents(self, q, k, v, documents):
@@ -145,7 +145,7 @@ class MultiHeadSelfAttention(_ref.MultiHeadSelfAttention):
         packed = [t.transpose(-3, -2).reshape(batch * seq, t.shape[-3], t.shape[-1]) for t in (q, k, v)]
         out = _kernels().FlashAttention.apply(*packed, True, self.softmax_scale, self._window, documents.cu_seqlens,
                                               documents.cu_seqlens, documents.max_len, documents.max_len, True,
-                                              self.softcap or 0.0)
+                                              self.softcap or 0.0, self.sinks)
         return out.reshape(batch, seq, q.shape[-3], q.shape[-1]).transpose(-3, -2)
 
 
@@ -154,7 +154,8 @@ class MoEExperts(_ref.MoEExperts):
     copies, deterministic weight gradients."""
 
     def forward(self, x, top_k_index, top_k_weights):
-        return _kernels().moe_experts(x, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+        return _kernels().moe_experts(x, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                                      **self.options())
 
 
 class MoEFFN(_ref.MoEFFN):

@@ -71,7 +71,10 @@ def _make_ffn(kind: str, comps, d_model: int, d_ff: int, device, dtype, config: 
               layer_idx: int = 0) -> nn.Module:
     if config is not None and config.is_moe_layer(layer_idx):
         return comps.MoEFFN(d_model, config.expert_d_ff, config.num_experts, config.experts_per_token,
-                            config.norm_topk_prob, config.shared_expert_d_ff, device=device, dtype=dtype)
+                            config.norm_topk_prob, config.shared_expert_d_ff, device=device, dtype=dtype,
+                            router_bias=config.router_bias, softmax_after_topk=config.router_softmax_after_topk,
+                            expert_bias=config.expert_bias, activation=config.expert_activation,
+                            alpha=config.swiglu_alpha, limit=config.swiglu_limit)
     bias = config is not None and config.mlp_bias
     if kind == "swiglu":
         return comps.SwiGLU(d_model, d_ff, device=device, dtype=dtype, bias=bias)
@@ -134,7 +137,7 @@ class TransformerBlock(nn.Module):
                                                  softmax_scale=config.query_scale, softcap=config.attn_softcap,
                                                  window=config.layer_window(layer_idx),
                                                  rotary_dim=config.rotary_dim if rotary else None,
-                                                 out_bias=config.attn_out_bias)
+                                                 out_bias=config.attn_out_bias, sinks=config.attention_sinks)
         self.ln2 = _make_norm(config.norm, comps, config.d_model, device, dtype, config.norm_eps, config.norm_offset)
         self.ffn = _make_ffn(config.ffn, comps, config.d_model, config.d_ff, device, dtype, config, layer_idx)
         self.residual_scale = config.residual_scale  # (Granite) each branch's output scaled before its add

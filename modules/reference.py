@@ -200,11 +200,13 @@ class RotaryPositionalEmbedding(nn.Module):
             raise ValueError(f"RoPE needs a positive max_seq_len, got {max_seq_len}")
         self.theta, self.d_k, self.max_seq_len, self.scaling = float(theta), d_k, max_seq_len, scaling
         inv_freq = scaled_inv_freq(
-            self.theta ** (-torch.arange(0, d_k, 2, device=device, dtype=torch.float64) / d_k), scaling)
+            self.theta ** (-torch.arange(0, d_k, 2, device=device, dtype=torch.float64) / d_k), scaling, self.theta)
         angles = einsum(torch.arange(max_seq_len, device=device, dtype=torch.float64), inv_freq,
                         "pos, pair -> pos pair")
-        self.register_buffer("cos_cached", torch.cos(angles).float(), persistent=False)
-        self.register_buffer("sin_cached", torch.sin(angles).float(), persistent=False)
+        # (YaRN's attention factor scales cos and sin, so q·k by its square, as transformers applies it)
+        factor = rope_attention_factor(scaling)
+        self.register_buffer("cos_cached", (torch.cos(angles) * factor).float(), persistent=False)
+        self.register_buffer("sin_cached", (torch.sin(angles) * factor).float(), persistent=False)
 
     def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None) -> torch.Tensor:
         """``x[..., seq, d_k]``, ``token_positions[..., seq]`` (broadcast against x's leading dims) or
@@ -234,14 +236,16 @@ class RotaryPositionalEmbedding(nn.Module):
         return rearrange(rotated, "... seq pair two -> ... seq (pair two)").to(x.dtype)
 
 
-def scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
+def scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict | None, theta: float | None = None) -> torch.Tensor:
     """RoPE frequencies ``[d_k / 2]`` after ``scaling`` (None or ``"default"``: unchanged).
 
     ``"llama3"`` (Llama 3.1's long-context recipe): with ``L = original_max_position_embeddings``, a frequency
     whose wavelength ``2π / f`` exceeds ``L / low_freq_factor`` is divided by ``factor``, one shorter than
     ``L / high_freq_factor`` is kept, and those between interpolate linearly in ``L / wavelength`` from
     ``f / factor`` to ``f``. ``"linear"`` (position interpolation; Gemma 3's global layers): every frequency divided
-    by ``factor``.
+    by ``factor``. ``"yarn"`` (gpt-oss, DeepSeek-V3; needs the base ``theta``): pairs between the dims where a
+    frequency makes ``beta_fast`` and ``beta_slow`` turns over ``L`` ramp linearly from the original frequency
+    (fast ones) to the one divided by ``factor`` (slow ones); ``truncate`` rounds the ramp's ends outward.
     """
 
     if scaling is None:
@@ -251,12 +255,55 @@ def scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tenso
         return inv_freq
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
+    if kind == "yarn":
+        return _yarn_inv_freq(inv_freq, scaling, theta)
     factor, low, high = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     original = float(scaling["original_max_position_embeddings"])
     wavelength = 2 * math.pi / inv_freq
     # 0 for long wavelengths (fully scaled), 1 for short ones (kept), linear in between
     keep = ((original / wavelength - low) / (high - low)).clamp(0.0, 1.0)
     return keep * inv_freq + (1 - keep) * inv_freq / factor
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, scaling: dict, theta: float | None) -> torch.Tensor:
+    """YaRN's frequencies (:func:`scaled_inv_freq`): the ramp between the correction dims of ``beta_fast`` and
+    ``beta_slow`` turns, as transformers' ``_compute_yarn_parameters`` computes it (in fp32)."""
+    if theta is None:
+        raise ValueError("rope_scaling 'yarn' needs the RoPE base theta")
+    dim = 2 * inv_freq.shape[-1]
+    factor, original = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:  # the dim whose frequency turns ``rotations`` times over L
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # (a zero-width ramp)
+    base = theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=inv_freq.device) / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the original frequency (extrapolated), 0: divided by factor (interpolated)
+    return ((1 / (factor * base)) * (1 - keep) + (1 / base) * keep).to(inv_freq.dtype)
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """The factor YaRN multiplies cos and sin by: ``attention_factor`` when given, else ``0.1·ln(factor) + 1``
+    (with ``mscale`` and ``mscale_all_dim``: their ratio, DeepSeek-V3's); 1 for every other scaling."""
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(factor, float(scaling["mscale"])) / mscale(factor, float(scaling["mscale_all_dim"]))
+    return mscale(factor)
 
 
 class SinusoidalPositionalEncoding(nn.Module):
@@ -334,27 +381,42 @@ class SiLUFFN(ReLUFFN):
 class MoEExperts(nn.Module):
     """``num_experts`` SwiGLU experts stored stacked, in transformers 5's layout: ``gate_up_proj [E, 2I, d_model]``
     (each expert's gate rows, then its up rows) and ``down_proj [E, d_model, I]``; each matrix initialised like a
-    :class:`Linear` of its shape."""
+    :class:`Linear` of its shape. gpt-oss's options: ``bias`` (``gate_up_bias [E, 2I]``, ``down_bias [E, d_model]``,
+    starting at zero) and ``activation="swiglu_clamped"`` with ``alpha`` and ``limit``
+    (:func:`functional.moe_experts`)."""
 
-    def __init__(self, num_experts: int, d_model: int, d_ff: int, device=None, dtype=None):
+    def __init__(self, num_experts: int, d_model: int, d_ff: int, device=None, dtype=None, *, bias: bool = False,
+                 activation: str = "silu", alpha: float = 1.702, limit: float = 7.0):
         super().__init__()
         self.num_experts, self.d_model, self.d_ff = num_experts, d_model, d_ff
+        self.activation, self.alpha, self.limit = activation, alpha, limit
         std_in, std_out = math.sqrt(2.0 / (d_model + d_ff)), math.sqrt(2.0 / (d_ff + d_model))
         self.gate_up_proj = nn.Parameter(_trunc_normal_(
             torch.empty(num_experts, 2 * d_ff, d_model, device=device, dtype=dtype), std_in))
         self.down_proj = nn.Parameter(_trunc_normal_(
             torch.empty(num_experts, d_model, d_ff, device=device, dtype=dtype), std_out))
+        self.gate_up_bias = self.down_bias = None
+        if bias:
+            self.gate_up_bias = nn.Parameter(torch.zeros(num_experts, 2 * d_ff, device=device, dtype=dtype))
+            self.down_bias = nn.Parameter(torch.zeros(num_experts, d_model, device=device, dtype=dtype))
+
+    def options(self) -> dict:
+        """The experts' keyword arguments of ``moe_experts`` (both implementations take the same)."""
+        return dict(activation=self.activation, gate_up_bias=self.gate_up_bias, down_bias=self.down_bias,
+                    alpha=self.alpha, limit=self.limit)
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """``x [tokens, d_model]``, routing ``[tokens, K]`` -> ``[tokens, d_model]``: one expert at a time."""
-        return F.moe_experts(x, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+        return F.moe_experts(x, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, **self.options())
 
 
 class MoEFFN(nn.Module):
     """A mixture-of-experts FFN: a router picks ``top_k`` of ``num_experts`` SwiGLU experts per token
     (:func:`functional.moe_router`: fp32 softmax, top-k, renormalised with ``norm_topk_prob``); the token's output
     is their outputs weighted by those probabilities. With ``shared_d_ff`` a shared SwiGLU expert every token runs is
-    added, scaled by a sigmoid gate (Qwen2-MoE). Parameters: ``router.weight [E, d_model]``, ``experts.*``,
+    added, scaled by a sigmoid gate (Qwen2-MoE). gpt-oss: ``router_bias`` (``router.bias [E]``),
+    ``softmax_after_topk`` (the chosen logits' softmax are the weights), ``expert_bias`` and the clamped
+    ``activation`` of :class:`MoEExperts`. Parameters: ``router.weight [E, d_model]``, ``experts.*``,
     ``shared_expert.w1/w2/w3``, ``shared_expert_gate.weight [1, d_model]``.
 
     After each forward, ``router_logits [tokens, E]`` and ``top_k_index [tokens, K]`` hold that call's routing, read
@@ -362,11 +424,15 @@ class MoEFFN(nn.Module):
     """
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, norm_topk_prob: bool = True,
-                 shared_d_ff: int | None = None, device=None, dtype=None):
+                 shared_d_ff: int | None = None, device=None, dtype=None, *, router_bias: bool = False,
+                 softmax_after_topk: bool = False, expert_bias: bool = False, activation: str = "silu",
+                 alpha: float = 1.702, limit: float = 7.0):
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
-        self.router = Linear(d_model, num_experts, device=device, dtype=dtype)
-        self.experts = MoEExperts(num_experts, d_model, d_ff, device=device, dtype=dtype)
+        self.softmax_after_topk = softmax_after_topk
+        self.router = Linear(d_model, num_experts, device=device, dtype=dtype, bias=router_bias)
+        self.experts = MoEExperts(num_experts, d_model, d_ff, device=device, dtype=dtype, bias=expert_bias,
+                                  activation=activation, alpha=alpha, limit=limit)
         self.shared_expert = self.shared_expert_gate = None
         if shared_d_ff:
             self.shared_expert = SwiGLU(d_model, shared_d_ff, device=device, dtype=dtype)
@@ -385,7 +451,8 @@ class MoEFFN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x[..., d_model] -> [..., d_model]``."""
         flat = x.reshape(-1, x.shape[-1])
-        logits, weights, index = F.moe_router(flat, self.router.weight, self.top_k, self.norm_topk_prob)
+        logits, weights, index = F.moe_router(flat, self.router.weight, self.top_k, self.norm_topk_prob,
+                                              logit_bias=self.router.bias, softmax_after_topk=self.softmax_after_topk)
         self.router_logits, self.top_k_index = logits, index
         out = self.experts(flat, index, weights)
         if self.shared_expert is not None:
@@ -416,7 +483,8 @@ class MultiHeadSelfAttention(nn.Module):
     ``x̂ · (1 + w)``). Gemma 2 / 3: ``softmax_scale`` (default ``1 / sqrt(d_k)``), ``softcap`` (scores become
     ``softcap · tanh(s / softcap)``) and ``window`` (a query sees its ``window`` most recent positions). Phi-3:
     ``rotary_dim`` (RoPE on each head's first ``rotary_dim`` features only). ``out_bias``: a bias on the output
-    projection (ERNIE 4.5, Seed-OSS).
+    projection (ERNIE 4.5, Seed-OSS). ``sinks``: a learned attention-sink logit per query head (``sinks [num_heads]``,
+    gpt-oss), one more entry of each row's softmax that carries no value.
     """
 
     def __init__(self, d_model: int, num_heads: int, max_seq_len: int | None = None,
@@ -424,7 +492,7 @@ class MultiHeadSelfAttention(nn.Module):
                  rope_scaling: dict | None = None, head_dim: int | None = None, qkv_bias: bool = False,
                  qk_norm: str | None = None, norm_eps: float = 1e-5, norm_offset: bool = False,
                  softmax_scale: float | None = None, softcap: float | None = None, window: int | None = None,
-                 rotary_dim: int | None = None, out_bias: bool = False):
+                 rotary_dim: int | None = None, out_bias: bool = False, sinks: bool = False):
         super().__init__()
         if head_dim is None and d_model % num_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
@@ -450,6 +518,8 @@ class MultiHeadSelfAttention(nn.Module):
             self.k_norm = RMSNorm(num_kv_heads * self.d_k, norm_eps, device=device, dtype=dtype, offset=norm_offset)
         self.qk_norm = qk_norm
         self.softmax_scale, self.softcap, self.window = softmax_scale, softcap, window
+        # (gpt-oss) one learned logit per query head in every row's softmax, carrying no value
+        self.sinks = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype)) if sinks else None
         if theta is not None:
             if max_seq_len is None:
                 raise ValueError("RoPE (theta given) needs max_seq_len")
@@ -527,7 +597,13 @@ class MultiHeadSelfAttention(nn.Module):
         if group > 1:
             k, v = (repeat(t, "... kv_heads seq d_k -> ... (kv_heads group) seq d_k", group=group) for t in (k, v))
         mask = F.causal_mask(q.shape[-2], k.shape[-2], device=q.device, window=self.window)
-        return F.scaled_dot_product_attention(q, k, v, mask, scale=self.softmax_scale, softcap=self.softcap or 0.0)
+        return F.scaled_dot_product_attention(q, k, v, mask, scale=self.softmax_scale, softcap=self.softcap or 0.0,
+                                              sinks=self._sinks)
+
+    @property
+    def _sinks(self):
+        """The sinks as the readable attention takes them: ``[heads, 1]`` against ``[..., heads, queries]``."""
+        return None if self.sinks is None else self.sinks[:, None]
 
     def attend_documents(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents):
         """Causal attention within each packed document: an explicit block-diagonal causal mask."""
@@ -538,7 +614,8 @@ class MultiHeadSelfAttention(nn.Module):
         if self.window is not None:  # (within a document, flat index differences are position differences)
             seq = mask.shape[-1]
             mask = mask & F.causal_mask(seq, seq, device=q.device, window=self.window)
-        return F.scaled_dot_product_attention(q, k, v, mask, scale=self.softmax_scale, softcap=self.softcap or 0.0)
+        return F.scaled_dot_product_attention(q, k, v, mask, scale=self.softmax_scale, softcap=self.softcap or 0.0,
+                                              sinks=self._sinks)
 
     def attend_paged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedLayerCache):
         """A batch of sequences of different lengths against a paged cache (``q[batch, heads, seq, d_k]``, the
@@ -558,7 +635,7 @@ class MultiHeadSelfAttention(nn.Module):
         if self.window is not None:
             visible &= key_pos[None, None, :] > query_pos[:, :, None] - self.window
         return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), visible[:, None],
-                                              scale=self.softmax_scale, softcap=self.softcap or 0.0)
+                                              scale=self.softmax_scale, softcap=self.softcap or 0.0, sinks=self._sinks)
 
 
 # the assembly builds its components from this namespace for backend="reference"

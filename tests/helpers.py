@@ -52,6 +52,19 @@ def flash_visibility(n_q: int, n_k: int, causal: bool, window=(-1, -1)) -> torch
     return visible
 
 
+#: attention outputs against fp64 (gradients: 4x): per dtype
+ATTENTION_TOL = {torch.float32: FP32_ATTENTION_TOL, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+def assert_attention_close(out, ref, grads, ref_grads, dtype):
+    """An attention output and its gradients against their fp64 references (gradients at 4x the output's
+    tolerance: two more matmuls and a softmax derivative deep)."""
+    tol = ATTENTION_TOL[dtype]
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got.double(), want, atol=4 * tol, rtol=4 * tol)
+
+
 def fp64(*tensors: torch.Tensor):
     """Detached fp64 copies that require grad: the inputs of a reference recomputation."""
     out = tuple(t.detach().double().requires_grad_(t.requires_grad) for t in tensors)
@@ -152,8 +165,8 @@ def hf_grads(model) -> dict:
     grads = state_to_hf({n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}, cfg)
     weights = family(cfg.model_type).weights
     for i in range(cfg.num_layers):
-        if not cfg.is_moe_layer(i):
-            continue
+        if not cfg.is_moe_layer(i) or weights.expert_format != "stacked":
+            continue  # (gpt-oss's files hold its experts as its modules do)
         block = f"model.layers.{i}.{weights.expert_block}.experts"
         experts = [[grads.pop(f"{block}.{j}.{n}.weight") for n in weights.expert_names]
                    for j in range(cfg.num_experts)]

@@ -43,7 +43,9 @@ def _ffn_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
         return _ffn_matrices(cfg) * d * cfg.d_ff + (2 * cfg.d_ff + d) * cfg.mlp_bias
     experts = cfg.experts_per_token if active else cfg.num_experts
     shared = 3 * d * cfg.shared_expert_d_ff + d if cfg.shared_expert_d_ff else 0  # + its sigmoid gate
-    return cfg.num_experts * d + experts * 3 * d * cfg.expert_d_ff + shared  # router, experts, shared expert
+    biases = (2 * cfg.expert_d_ff + d) * cfg.expert_bias  # (gpt-oss: gate_up and down biases per expert)
+    # router (+ its bias), experts, shared expert
+    return cfg.num_experts * (d + cfg.router_bias) + experts * (3 * d * cfg.expert_d_ff + biases) + shared
 
 
 def param_count(cfg: ModelConfig, active: bool = False) -> int:
@@ -55,7 +57,8 @@ def param_count(cfg: ModelConfig, active: bool = False) -> int:
     # norms (Gemma 2 / 3, GLM-4)
     qk_norms = {None: 0, "head": 2 * cfg.d_head, "projection": d_q + d_kv}[cfg.qk_norm]
     attention_and_norms = (2 * d * d_q + 2 * d * d_kv + (2 + 2 * cfg.post_norms) * _norm_params(cfg)
-                           + (d_q + 2 * d_kv) * cfg.qkv_bias + d * cfg.attn_out_bias + qk_norms)
+                           + (d_q + 2 * d_kv) * cfg.qkv_bias + d * cfg.attn_out_bias + qk_norms
+                           + cfg.num_heads * cfg.attention_sinks)
     layers = sum(attention_and_norms + _ffn_params(cfg, i, active) for i in range(cfg.num_layers))
     final_norm = _norm_params(cfg) if cfg.norm_position == "pre" else 0
     lm_head = 0 if cfg.tie_embeddings else d * cfg.vocab_size  # tied: the embedding matrix is the head

@@ -38,13 +38,14 @@ def _decode_splits(n_bh: int, n_q: int, n_k: int, block_n: int, device: torch.de
 
 
 def split_kv_forward(args, o4, lse, lse_strides, splits, h, group, n_q, n_k, d, qk_scale, win_left,
-                     win_right, common, device, tail=(0, 0, 1.0), max_block_n=None, config=None):
+                     win_right, common, device, tail=(0, 0, 1.0), max_block_n=None, config=None, sinks=None):
     """Run the split forward and the combine for a dense batch. ``args(o, lse, o_strides, lse_strides)`` gives the
     forward kernel's leading arguments, ``tail`` its block-table stride, page size and softcap (:func:`.tiles._scores`,
     like ``qk_scale``); ``common`` its shared constexprs; ``max_block_n`` caps the key tile (a paged cache's block
     size); ``config`` the split kernel's ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (the launcher's tuned
-    ``-decode`` key; :data:`DECODE_CONFIG` when not given). ``h``: the query heads, or with ``common["PACK_GQA"]`` the kv heads (a program's tile then holds the
-    ``group x n_q`` queries of one kv head's group)."""
+    ``-decode`` key; :data:`DECODE_CONFIG` when not given); ``sinks``: fp32 ``[heads]`` sink logits, folded in by
+    the combine. ``h``: the query heads, or with ``common["PACK_GQA"]`` the kv heads (a program's tile then holds
+    the ``group x n_q`` queries of one kv head's group)."""
     b_h = o4.shape[0] * h
     block_m, block_n, warps, stages = config or (DECODE_CONFIG if on_gpu(device) else DECODE_INTERPRETER_CONFIG)
     pack = common["PACK_GQA"]
@@ -60,17 +61,19 @@ def split_kv_forward(args, o4, lse, lse_strides, splits, h, group, n_q, n_k, d, 
         *args(o_part, lse_part, (0, 0, 0), (0, 0)), h, group, 0, n_q, n_k, d, qk_scale,
         win_left, win_right, split_size, *tail, SPLIT_KV=True, BLOCK_M=block_m, BLOCK_N=block_n, **common,
         num_warps=warps, num_stages=stages)
-    _split_combine_kernel[(b_h,)](o_part, lse_part, o4, lse, *_strides3(o4), *lse_strides, h, group, splits, b_h,
-                                  n_q, d, BLOCK_M=block_m, BLOCK_D=_block_d(d), PACK_GQA=pack, num_warps=4)
+    _split_combine_kernel[(b_h,)](o_part, lse_part, o4, lse, sinks if sinks is not None else lse, *_strides3(o4),
+                                  *lse_strides, h, group, splits, b_h, n_q, d, BLOCK_M=block_m, BLOCK_D=_block_d(d),
+                                  PACK_GQA=pack, HAS_SINKS=sinks is not None, num_warps=4)
 
 
 @triton.jit
-def _split_combine_kernel(O_PART, LSE_PART, O, LSE, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+def _split_combine_kernel(O_PART, LSE_PART, O, LSE, SINKS, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
                           n_heads, group, n_splits, n_bh, n_q, d_head, BLOCK_M: tl.constexpr,
-                          BLOCK_D: tl.constexpr, PACK_GQA: tl.constexpr):
+                          BLOCK_D: tl.constexpr, PACK_GQA: tl.constexpr, HAS_SINKS: tl.constexpr):
     """Flash-decoding combine for one (batch, head) -- with ``PACK_GQA`` one (batch, kv head), its partial rows
     the group's heads x queries as the forward packed them: ``L = log Σ_s exp(L_s)``, ``O = Σ_s exp(L_s - L) O_s``
-    over the key splits (a split that saw no key has L_s = -inf and weight 0)."""
+    over the key splits (a split that saw no key has L_s = -inf and weight 0). ``HAS_SINKS``: the head's sink
+    logit joins the sum once, here (the splits leave it out), as a split with ``L_s = sink`` and ``O_s = 0``."""
     pid_bh = tl.program_id(0)
     b = (pid_bh // n_heads).to(tl.int64)
     h = (pid_bh % n_heads).to(tl.int64)
@@ -96,6 +99,16 @@ def _split_combine_kernel(O_PART, LSE_PART, O, LSE, stride_ob, stride_oh, stride
         w = tl.exp(lse_s - m_safe)
         s = s * alpha + w
         acc = acc * alpha[:, None] + o_s * w[:, None]
+        m = m_new
+    if HAS_SINKS:
+        if PACK_GQA:
+            sink = tl.load(SINKS + h, mask=row_valid, other=0.0).to(tl.float32)
+        else:
+            sink = tl.load(SINKS + h).to(tl.float32)
+        m_new = tl.maximum(m, sink)
+        alpha = tl.exp(m - m_new)
+        s = s * alpha + tl.exp(sink - m_new)
+        acc = acc * alpha[:, None]
         m = m_new
     empty = s == 0.0
     s_safe = tl.where(empty, 1.0, s)

@@ -3,9 +3,11 @@
 One program owns a ``BLOCK_M`` tile of queries of one (batch, head) and walks the key tiles its causal / window
 bounds allow (:func:`.tiles._key_ranges`): full tiles without index comparisons, boundary tiles with a mask. The
 online softmax keeps a running max ``m`` and sum ``l`` in fp32 (base-2 exponentials, ``log2(e)`` folded into the
-scale) and stores ``O`` and the logsumexp ``L = m + log(l)``. With ``SPLIT_KV`` the same kernel covers one slice of
-the keys and writes fp32 partials for the flash-decoding combine (:mod:`.decode`). ``_fwd_kernel_tma`` is the dense
-forward with Hopper TMA descriptor loads, run only when a tuned table asks for it.
+scale) and stores ``O`` and the logsumexp ``L = m + log(l)``; a head's attention sink (one logit without a value)
+joins each row's sum in the epilogue, so L includes it and the backward's P needs nothing else. With ``SPLIT_KV``
+the same kernel covers one slice of the keys and writes fp32 partials for the flash-decoding combine
+(:mod:`.decode`). ``_fwd_kernel_tma`` is the dense forward with Hopper TMA descriptor loads, run only when a tuned
+table asks for it.
 """
 
 from __future__ import annotations
@@ -86,15 +88,28 @@ def _online_softmax_step(acc, m_i, l_i, s, v, qk_scale, RAW: tl.constexpr, DOT_P
 
 
 @triton.jit
+def _fold_sinks(acc, m_i, l_i, SINKS, h, row_valid, PACK_GQA: tl.constexpr):
+    """One more logit per row that no value carries (gpt-oss's attention sink of head ``h``), folded into the
+    finished (acc, m_i, l_i) once: ``p_j = exp(s_j - m) / (exp(sink - m) + Σ exp(s - m))``. In log2 units, as m_i."""
+    if PACK_GQA:  # each row's own head (rows past the group's are padding)
+        sink = tl.load(SINKS + h, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
+    else:
+        sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+    m_all = tl.maximum(m_i, sink)  # (a row that saw no key: m_i = -inf, the sink alone)
+    alpha = tl.math.exp2(m_i - m_all)
+    return acc * alpha[:, None], m_all, l_i * alpha + tl.math.exp2(sink - m_all)
+
+
+@triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, CU_Q, CU_K, SEQLEN_K, KV_BATCH, BLOCK_TABLE,
+    Q, K, V, O, LSE, CU_Q, CU_K, SEQLEN_K, KV_BATCH, BLOCK_TABLE, SINKS,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
     n_heads, group, bh_start, n_q, n_k, d_head, qk_scale, win_left, win_right, split_size, stride_bt, page_size,
     softcap,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, SPLIT_KV: tl.constexpr,
     SEQUSED_K: tl.constexpr, PAGED: tl.constexpr, LEFTPAD: tl.constexpr, SOFTCAP: tl.constexpr,
-    PACK_GQA: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    PACK_GQA: tl.constexpr, FOLD_SCALE: tl.constexpr, HAS_SINKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -108,6 +123,8 @@ def _fwd_kernel(
     # PACK_GQA (few queries, GQA): grid axis 1 walks (batch, kv head) -- n_heads is the kv heads -- and the one
     # query tile holds every query of the group's query heads, so each K/V tile is read once for the whole group
     # FOLD_SCALE: the softmax scale applied in the exponent's FMA, not to the scores first (a tuned-table field)
+    # HAS_SINKS: each head's sink logit SINKS[h] joins every row's softmax in the epilogue (a split-KV program
+    # leaves it to the combine, which folds it once)
     pid_bh = tl.program_id(1) + bh_start
     b, h, q_start, n_q, k_start, n_k = _sequence(pid_bh, n_heads, CU_Q, CU_K, n_q, n_k, VARLEN)
     b_kv = b
@@ -186,7 +203,10 @@ def _fwd_kernel(
                                DOT_PRECISION=DOT_PRECISION, PAGED=PAGED, SOFTCAP=SOFTCAP,
                                    FOLD_SCALE=FOLD_SCALE)
 
-    # ---- epilogue: normalise; rows without a visible key give 0 and L = -inf
+    # ---- epilogue: the sink (once, after every key), then normalise; rows without a visible key give 0 and
+    # L = -inf (with a sink: L = the sink)
+    if HAS_SINKS and not SPLIT_KV:
+        acc, m_i, l_i = _fold_sinks(acc, m_i, l_i, SINKS, h, row_valid, PACK_GQA)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]

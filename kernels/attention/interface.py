@@ -59,9 +59,11 @@ def _check_heads(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, sinks=None):
     """Attention over ``q[batch, seq_q, heads, d]``, ``k, v[batch, seq_k, kv_heads, d]`` -> ``[batch, seq_q,
-    heads, d]`` with flash-attn 2's signature and semantics (module docstring)."""
+    heads, d]`` with flash-attn 2's signature and semantics (module docstring). ``sinks[heads]`` (after flash-attn's
+    arguments): gpt-oss's attention sinks, one logit per query head in every row's softmax that carries no value
+    (differentiable)."""
     op = "flash_attn_func"
     _unsupported(op, dropout_p, softcap, alibi_slopes, return_attn_probs)
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -74,7 +76,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     window = _check_window(op, window_size)
     # [batch, seq, heads, d] -> [batch, heads, seq, d] views: the kernel takes any strides, nothing is copied
     out = FlashAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bool(causal), softmax_scale,
-                               window, None, None, 0, 0, bool(deterministic), float(softcap))
+                               window, None, None, 0, 0, bool(deterministic), float(softcap), sinks)
     return out.transpose(1, 2)
 
 
@@ -103,12 +105,12 @@ def _check_cu_seqlens(op: str, name: str, cu: torch.Tensor, total: int | None, m
 
 
 def _paged_varlen(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                  window_size, block_table, softcap):
+                  window_size, block_table, softcap, sinks=None):
     """``flash_attn_varlen_func`` over a paged pool (its docstring): the forward kernel reads key tiles through the
     block table."""
     import math
 
-    from .launch import flash_attention_forward
+    from .launch import check_sinks, flash_attention_forward
 
     if q.dim() != 3 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"{op}: with block_table, q must be [total_q, heads, d] and k, v a pool [num_blocks, "
@@ -132,10 +134,12 @@ def _paged_varlen(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     if int(max_seqlen_k) > capacity:
         raise ValueError(f"{op}: max_seqlen_k={max_seqlen_k} exceeds the block table's {capacity} positions")
     kv_heads, d = k.shape[2], k.shape[3]
+    if sinks is not None:
+        check_sinks(op, sinks, q.shape[1], q.device)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
     out, _ = flash_attention_forward(q, k.view(-1, kv_heads, d), v.view(-1, kv_heads, d), bool(causal), scale, window,
                                      cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                                     block_table=block_table, page_size=page_size, softcap=float(softcap))
+                                     block_table=block_table, page_size=page_size, softcap=float(softcap), sinks=sinks)
     return out
 
 
@@ -146,7 +150,7 @@ def _values_readable(t: torch.Tensor) -> bool:
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
+                           deterministic=False, return_attn_probs=False, block_table=None, sinks=None):
     """Attention within each packed sequence: ``q[total_q, heads, d]``, ``k, v[total_k, kv_heads, d]``, sequence
     ``i`` owning query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and the matching key rows; returns
     ``[total_q, heads, d]``. flash-attn 2's signature and semantics (module docstring).
@@ -154,12 +158,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Paged prefill: with ``block_table [batch, max_blocks]`` (int32), ``k, v`` are a pool ``[num_blocks, page_size,
     kv_heads, d]`` and ``cu_seqlens_k`` the sequences' cumulative key counts; position ``p`` of sequence ``i`` is row
     ``p % page_size`` of block ``block_table[i, p // page_size]``. Forward only (an inference path, as in
-    flash-attn)."""
+    flash-attn). ``sinks[heads]``: attention sinks, as in :func:`flash_attn_func`."""
     op = "flash_attn_varlen_func"
     _unsupported(op, dropout_p, softcap, alibi_slopes, return_attn_probs)
     if block_table is not None:
         return _paged_varlen(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                             causal, window_size, block_table, softcap)
+                             causal, window_size, block_table, softcap, sinks)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise ValueError(f"{op}: {name} must be [total_tokens, heads, d], got {tuple(t.shape)}")
@@ -172,4 +176,4 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if n_q != n_k:
         raise ValueError(f"{op}: cu_seqlens_q describes {n_q} sequences but cu_seqlens_k {n_k}")
     return FlashAttention.apply(q, k, v, bool(causal), softmax_scale, window, cu_seqlens_q, cu_seqlens_k,
-                                int(max_seqlen_q), int(max_seqlen_k), bool(deterministic), float(softcap))
+                                int(max_seqlen_q), int(max_seqlen_k), bool(deterministic), float(softcap), sinks)

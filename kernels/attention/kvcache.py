@@ -25,7 +25,7 @@ import torch
 
 from .._common import check_device, check_float
 from .interface import _check_window, _unsupported
-from .launch import flash_attention_forward
+from .launch import check_sinks, flash_attention_forward
 
 
 def _as_lengths(cache_seqlens, batch: int, device) -> torch.Tensor:
@@ -62,10 +62,12 @@ def _check_fits(lengths: torch.Tensor, capacity: int, what: str) -> None:
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
+                            sinks=None):
     """``q [batch, seqlen_q, heads, d]`` against the cache (plus ``k, v`` appended in place) -> ``out [batch,
     seqlen_q, heads, d]`` (and the fp32 logsumexp ``[batch, heads, seqlen_q]`` with ``return_softmax_lse``).
-    See the module docstring; not differentiable (an inference entry point, as in flash-attn)."""
+    ``sinks[heads]``: attention sinks (gpt-oss), applied once per row (split-KV: in the combine; the logsumexp
+    includes them). See the module docstring; not differentiable (an inference entry point, as in flash-attn)."""
     op = "flash_attn_with_kvcache"
     _unsupported(op, 0.0, softcap, alibi_slopes, False)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -156,6 +158,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     # ---- attention against each sequence's keys, in place in the cache ([.., seq, heads, d] -> [.., heads, seq, d])
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
+    if sinks is not None:
+        check_sinks(op, sinks, heads, q.device)
     if paged:  # the pool as one long sequence of rows: block b, row r is row b * page_size + r
         k4 = k_cache.view(1, -1, kv_heads, d).transpose(1, 2)
         v4 = v_cache.view(1, -1, kv_heads, d).transpose(1, 2)
@@ -164,7 +168,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     out, lse = flash_attention_forward(q.transpose(1, 2), k4, v4, bool(causal), scale, window, seqused_k=total,
                                        kv_batch=kv_batch, block_table=block_table, page_size=page_size,
                                        max_seqlen_k=capacity, num_splits=num_splits, softcap=float(softcap),
-                                       leftpad=cache_leftpad)
+                                       leftpad=cache_leftpad, sinks=sinks)
     out = out.transpose(1, 2)
     return (out, lse) if return_softmax_lse else out
 

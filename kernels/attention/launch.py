@@ -201,7 +201,7 @@ def _bwd_dq_config(d: int, dtype: torch.dtype, device: torch.device,
 def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, window=(-1, -1),
                             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0, *,
                             seqused_k=None, kv_batch=None, block_table=None, page_size: int = 0,
-                            num_splits: int = 0, softcap: float = 0.0, leftpad=None):
+                            num_splits: int = 0, softcap: float = 0.0, leftpad=None, sinks=None):
     """Returns ``(o, lse)``: ``o`` like ``q``; ``lse`` fp32 ``q.shape[:-1]`` for batches, ``[heads, total_q]``
     for packed sequences (``cu_seqlens_*`` given, ``q[total_q, heads, d]``).
 
@@ -210,7 +210,9 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
     positions, d]`` (dense), or with ``block_table`` the rows of ``k[1, kv_heads, pool_rows, d]`` its table lists,
     ``page_size`` per block. ``num_splits``: 0 chooses, 1 none, more splits the keys over that many programs.
     ``softcap > 0`` caps the scaled scores at ``softcap · tanh(s / softcap)`` (flash-attn's softcap). ``leftpad``
-    (int32 ``[batch]``, dense caches): sequence b's keys are cache positions ``[leftpad[b], seqused_k[b])``."""
+    (int32 ``[batch]``, dense caches): sequence b's keys are cache positions ``[leftpad[b], seqused_k[b])``.
+    ``sinks`` (``[heads]``, fp32): each head's attention-sink logit joins every row's softmax without a value
+    (gpt-oss); ``lse`` then includes it."""
     if not (softmax_scale > 0 and math.isfinite(softmax_scale)):
         # (the kernels take the row max of the raw products before scaling: valid for a positive scale only)
         raise ValueError(f"attention: softmax_scale must be a finite number > 0, got {softmax_scale}")
@@ -230,16 +232,21 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
         lse_strides = (h * n_q, n_q)
     if q.numel() == 0 or b == 0:
         return o, lse
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
     if n_k == 0 or k.numel() == 0:
-        o.zero_()
-        lse.fill_(float("-inf"))
+        o.zero_()  # (no key: the output is 0; the normalizer is the sink's alone where there is one)
+        if sinks is None:
+            lse.fill_(float("-inf"))
+        else:
+            lse.copy_(sinks.view(h, 1).expand(lse.shape))  # (lse: [..., heads, rows]; packed [heads, total])
         return o, lse
     win_left, win_right = _window(is_causal, window, n_q, n_k)
     cu_q = cu_seqlens_q if packed else lse  # (unused pointers for batches / dense caches)
     cu_k = cu_seqlens_k if packed else (leftpad if leftpad is not None else lse)
     common = dict(CAUSAL=is_causal, WINDOW=_has_window(is_causal, window), VARLEN=packed, BLOCK_D=_block_d(d),
                   EVEN_D=d == _block_d(d), SEQUSED_K=cache, PAGED=paged, SOFTCAP=bool(softcap),
-                  LEFTPAD=leftpad is not None, **_dot_precision(q.dtype))
+                  LEFTPAD=leftpad is not None, HAS_SINKS=sinks is not None, **_dot_precision(q.dtype))
     # GQA with few queries (decoding): one program per (batch, kv head) holds its whole group's queries in one
     # tile, so each K/V tile is read once per group instead of once per query head
     pack = not packed and group > 1 and n_q <= decode.DECODE_MAX_QUERIES and group * n_q <= PACK_GQA_MAX_ROWS
@@ -249,7 +256,8 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
     cache_args = (block_table.stride(0) if paged else 0, page_size, cap)
     args = lambda o_arg, lse_arg, o_strides, l_strides: (  # noqa: E731
         q4, k4, v4, o_arg, lse_arg, cu_q, cu_k, seqused_k if cache else lse,
-        kv_batch if kv_batch is not None else lse, block_table if paged else lse, *_strides3(q4, packed),
+        kv_batch if kv_batch is not None else lse, block_table if paged else lse,
+        sinks if sinks is not None else lse, *_strides3(q4, packed),
         *_strides3(k4, packed), *_strides3(v4, packed), *o_strides, *l_strides)
     # a paged tile must not cross a block: key tiles of at most page_size rows (both powers of two x 16)
     max_block_n = (page_size & -page_size) if paged else None
@@ -269,12 +277,12 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
     if splits > 1:
         # ---- flash-decoding: keys split over programs, partials combined by their logsumexps
         decode.split_kv_forward(args, o4, lse, lse_strides, splits, grid_heads, group, n_q, n_k, d, qk_scale, win_left,
-                                win_right, common, q.device, cache_args, max_block_n, split_config)
+                                win_right, common, q.device, cache_args, max_block_n, split_config, sinks)
         return o, lse
     block_m, block_n, warps, stages = _fwd_config(d, q.dtype, q.device, variant)
     if paged:
         block_n = min(block_n, max_block_n)
-    if (not packed and not cache and not pack and not common["WINDOW"] and not softcap
+    if (not packed and not cache and not pack and not common["WINDOW"] and not softcap and sinks is None
             and _tma_selected(d, q.dtype, q.device, "attention_fwd", variant)
             and b * h <= MAX_GRID_AXIS1 and _tma_ready(q4, k4, v4, o4)):
         # ---- Hopper TMA variant (chosen only by a tuned table / the sweep): dense attention, descriptor loads;
@@ -300,10 +308,14 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
 
 def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale: float, window=(-1, -1),
                              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
-                             deterministic: bool = True, softcap: float = 0.0):
-    """Returns ``(dq, dk, dv)`` laid out like q, k, v. ``deterministic=False`` accumulates dQ with fp32 atomics
-    inside the dK/dV kernel instead of running the dQ kernel (fewer matmuls; summation order varies by run).
-    ``softcap``: the forward's logit cap (the gradient goes through ``1 - tanh²``)."""
+                             deterministic: bool = True, softcap: float = 0.0, sinks=None):
+    """Returns ``(dq, dk, dv, dsinks)`` laid out like q, k, v (and the sinks; None without them).
+    ``deterministic=False`` accumulates dQ with fp32 atomics inside the dK/dV kernel instead of running the dQ
+    kernel (fewer matmuls; summation order varies by run). ``softcap``: the forward's logit cap (the gradient goes
+    through ``1 - tanh²``). ``sinks``: the forward's sink logits. The kernels need nothing for them (``lse`` holds
+    each row's sink, so P is right); their gradient is a per-head sum over rows, ``dsink = -Σ_rows exp(sink - L) ·
+    D`` with ``D = rowsum(dO · O)`` (the sink's probability times the gradient of a logit that carries no value),
+    summed in a fixed order."""
     packed = cu_seqlens_q is not None
     q4, k4, v4, o4, do4 = (_as_4d(t, packed) for t in (q, k, v, o, do))
     b, h, n_q, d = q4.shape
@@ -318,7 +330,7 @@ def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale
     else:
         lse_strides = (h * n_q, n_q)
     if q.numel() == 0 or k.numel() == 0 or b == 0 or n_k == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        return dq.zero_(), dk.zero_(), dv.zero_(), None if sinks is None else torch.zeros_like(sinks)
     if packed:
         dk.zero_()  # keys of empty or unseen packed sequences get no program that writes them
         dv.zero_()
@@ -344,6 +356,10 @@ def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale
         _bwd_preprocess[(triton.cdiv(n_q, pre_m), n_bh)](
             o4, do4, delta, cu_q, cu_k, *_strides3(o4, packed), *do_s, *lse_strides, h, bh_start, n_q, d,
             VARLEN=packed, BLOCK_M=pre_m, BLOCK_D=block_d)
+    dsinks = None
+    if sinks is not None:  # lse, delta: [..., heads, rows] (packed: [heads, total])
+        weight = torch.exp(sinks.float().view(h, 1) - lse) * delta
+        dsinks = -weight.reshape(-1, h, weight.shape[-1]).sum(dim=(0, 2)).to(sinks.dtype)
     if (deterministic and not packed and not window_on and not softcap
             and _tma_selected(d, q.dtype, q.device, "attention_bwd", variant)
             and b * max(h, h_kv) <= MAX_GRID_AXIS1 and _tma_ready(q4, k4, v4, do4, dq4, dk4, dv4)):
@@ -359,7 +375,7 @@ def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale
             _descriptor(do4, dq_m, block_d), lse, delta, _descriptor(dq4, dq_m, block_d), *lse_strides, h, group,
             n_q, n_k, qk_scale, softmax_scale, BLOCK_M=dq_m, BLOCK_N=dq_n, num_warps=dq_warps,
             num_stages=dq_stages, **tma)
-        return dq, dk, dv
+        return dq, dk, dv, dsinks
     # dK/dV: one program per (key tile, batch, kv head), summing its group of query heads (needs every D above);
     # non-deterministic variant: an fp32 dQ buffer laid out [b, h, rows, d] like q4 that the dK/dV kernel adds into
     dq_acc = torch.zeros(q4.shape, dtype=torch.float32, device=q.device) if not deterministic else dq4
@@ -371,13 +387,13 @@ def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale
             ATOMIC_DQ=not deterministic, EVEN_D=d == block_d, **dkdv_tiles)
     if not deterministic:
         dq4.copy_(dq_acc.mul_(softmax_scale))
-        return dq, dk, dv
+        return dq, dk, dv, dsinks
     for bh_start, n_bh in grid_axis1_launches(b * h):
         _bwd_dq_kernel[(triton.cdiv(n_q, dq_m), n_bh)](
             q4, k4, v4, do4, lse, delta, dq4, cu_q, cu_k, *q_s, *k_s, *v_s, *do_s, *_strides3(dq4, packed),
             *lse_strides, h, group, bh_start, n_q, n_k, d, qk_scale, softmax_scale, win_left, win_right, cap,
             EVEN_D=d == block_d, **dq_tiles)
-    return dq, dk, dv
+    return dq, dk, dv, dsinks
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -386,15 +402,15 @@ def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale
 @torch.library.custom_op("tritonlm::flash_attention_fwd", mutates_args=())
 def _fa_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, softmax_scale: float,
                window_left: int, window_right: int, cu_seqlens_q: torch.Tensor | None,
-               cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, softcap: float = 0.0
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, softcap: float = 0.0,
+               sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     return flash_attention_forward(q, k, v, is_causal, softmax_scale, (window_left, window_right), cu_seqlens_q,
-                                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, softcap=softcap)
+                                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, softcap=softcap, sinks=sinks)
 
 
 @_fa_fwd_op.register_fake
 def _(q, k, v, is_causal, softmax_scale, window_left, window_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-      max_seqlen_k, softcap=0.0):
+      max_seqlen_k, softcap=0.0, sinks=None):
     packed = cu_seqlens_q is not None
     lse_shape = (q.shape[1], q.shape[0]) if packed else q.shape[:-1]
     return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
@@ -404,16 +420,29 @@ def _(q, k, v, is_causal, softmax_scale, window_left, window_right, cu_seqlens_q
 def _fa_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                lse: torch.Tensor, is_causal: bool, softmax_scale: float, window_left: int, window_right: int,
                cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
-               max_seqlen_k: int, deterministic: bool = True, softcap: float = 0.0
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return flash_attention_backward(do, q, k, v, o, lse, is_causal, softmax_scale, (window_left, window_right),
-                                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic, softcap)
+               max_seqlen_k: int, deterministic: bool = True, softcap: float = 0.0,
+               sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv, dsinks = flash_attention_backward(do, q, k, v, o, lse, is_causal, softmax_scale,
+                                                  (window_left, window_right), cu_seqlens_q, cu_seqlens_k,
+                                                  max_seqlen_q, max_seqlen_k, deterministic, softcap, sinks)
+    # (a custom op returns tensors: no sinks, an empty gradient)
+    return dq, dk, dv, dsinks if dsinks is not None else q.new_empty(0, dtype=torch.float32)
 
 
 @_fa_bwd_op.register_fake
 def _(do, q, k, v, o, lse, is_causal, softmax_scale, window_left, window_right, cu_seqlens_q, cu_seqlens_k,
-      max_seqlen_q, max_seqlen_k, deterministic=True, softcap=0.0):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+      max_seqlen_q, max_seqlen_k, deterministic=True, softcap=0.0, sinks=None):
+    dsinks = torch.empty_like(sinks) if sinks is not None else q.new_empty(0, dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
+
+
+def check_sinks(op: str, sinks, heads: int, device) -> None:
+    """Attention sinks: a floating-point ``[heads]`` tensor (one logit per query head) on the inputs' device."""
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() or sinks.shape != (heads,):
+        raise ValueError(f"{op}: sinks must be a floating-point [heads] tensor ({heads} query heads), got "
+                         f"{getattr(sinks, 'dtype', type(sinks).__name__)} {tuple(getattr(sinks, 'shape', ()))}")
+    if sinks.device != device:
+        raise ValueError(f"{op}: sinks are on {sinks.device} but q is on {device}")
 
 
 def check_attention_inputs(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -452,16 +481,21 @@ class FlashAttention(torch.autograd.Function):
 
     Internal extras (used by :func:`flash_attn_func` / :func:`flash_attn_varlen_func`): ``window=(left, right)``
     (-1 = unbounded, flash-attn's convention) and packed sequences (``cu_seqlens_q/k`` with ``q[total, heads, d]``).
-    ``deterministic=False`` (the last argument) selects the backward that adds dQ with atomics inside the dK/dV
+    ``deterministic=False`` (after ``max_seqlen_k``) selects the backward that adds dQ with atomics inside the dK/dV
     kernel (fewer matmuls, run-to-run summation order varies); the default keeps every gradient deterministic.
     ``softcap`` (after it): flash-attn's logit softcap, ``softcap · tanh(s / softcap)`` of the scaled scores.
+    ``sinks`` (last): ``[heads]`` attention-sink logits (gpt-oss), one extra logit per row's softmax that carries
+    no value; differentiable (their gradient a deterministic per-head sum).
     """
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal=False, softmax_scale=None, window=None, cu_seqlens_q=None,
-                cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, deterministic=True, softcap=0.0):
+                cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, deterministic=True, softcap=0.0, sinks=None):
         if cu_seqlens_q is None:
             check_attention_inputs("FlashAttention", q, k, v)
+        if sinks is not None:
+            heads = q.shape[-2] if cu_seqlens_q is not None else (q.shape[-3] if q.dim() >= 3 else 0)
+            check_sinks("FlashAttention", sinks, heads, q.device)
         check_float("FlashAttention", q)
         check_device("FlashAttention", q, k, v)
         d = q.shape[-1]
@@ -475,10 +509,11 @@ class FlashAttention(torch.autograd.Function):
         extra = (window[0], window[1], cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
         with kernel_range("tritonlm::flash_attention_fwd"):
             if use_custom_op(q):
-                o, lse = _fa_fwd_op(q, k, v, bool(is_causal), scale, *extra, softcap)
+                o, lse = _fa_fwd_op(q, k, v, bool(is_causal), scale, *extra, softcap, sinks)
             else:
-                o, lse = flash_attention_forward(q, k, v, bool(is_causal), scale, window, *extra[2:], softcap=softcap)
-        ctx.save_for_backward(q, k, v, o, lse)
+                o, lse = flash_attention_forward(q, k, v, bool(is_causal), scale, window, *extra[2:], softcap=softcap,
+                                                 sinks=sinks)
+        ctx.save_for_backward(q, k, v, o, lse, *(() if sinks is None else (sinks,)))
         ctx.is_causal, ctx.scale, ctx.extra, ctx.deterministic = bool(is_causal), scale, extra, bool(deterministic)
         ctx.softcap = softcap
         return o
@@ -486,23 +521,25 @@ class FlashAttention(torch.autograd.Function):
     @staticmethod
     @first_order_backward
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, *sinks = ctx.saved_tensors
+        sinks = sinks[0] if sinks else None
         extra = ctx.extra
         with kernel_range("tritonlm::flash_attention_bwd"):
             if use_custom_op(q):
-                dq, dk, dv = _fa_bwd_op(do, q, k, v, o, lse, ctx.is_causal, ctx.scale, *extra, ctx.deterministic,
-                                        ctx.softcap)
+                dq, dk, dv, dsinks = _fa_bwd_op(do, q, k, v, o, lse, ctx.is_causal, ctx.scale, *extra,
+                                                ctx.deterministic, ctx.softcap, sinks)
             else:
-                dq, dk, dv = flash_attention_backward(do, q, k, v, o, lse, ctx.is_causal, ctx.scale, extra[:2],
-                                                      *extra[2:], deterministic=ctx.deterministic,
-                                                      softcap=ctx.softcap)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+                dq, dk, dv, dsinks = flash_attention_backward(do, q, k, v, o, lse, ctx.is_causal, ctx.scale, extra[:2],
+                                                              *extra[2:], deterministic=ctx.deterministic,
+                                                              softcap=ctx.softcap, sinks=sinks)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks if sinks is not None else None
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
                     softmax_scale: float | None = None, *, deterministic: bool = True,
-                    softcap: float = 0.0) -> torch.Tensor:
+                    softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Functional entry point: ``softmax(q kᵀ · scale [+ causal mask]) v`` via :class:`FlashAttention`.
     ``deterministic=False``: the atomic-dQ backward (see :class:`FlashAttention`); ``softcap > 0``: scores
-    ``softcap · tanh(s / softcap)`` (Gemma 2's attention logit cap)."""
-    return FlashAttention.apply(q, k, v, is_causal, softmax_scale, None, None, None, 0, 0, deterministic, softcap)
+    ``softcap · tanh(s / softcap)`` (Gemma 2's attention logit cap); ``sinks[heads]``: gpt-oss's attention sinks."""
+    return FlashAttention.apply(q, k, v, is_causal, softmax_scale, None, None, None, 0, 0, deterministic, softcap,
+                                sinks)

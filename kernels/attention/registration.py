@@ -40,7 +40,8 @@ def _fp32_matmul_precision(setting: str):
 def _sass_cases(quick: bool) -> list[_registry.SassCase]:
     """Causal batch 1 x 16 heads x 4096 at d 64 / 128, forward and each backward kernel (bf16; fp32 too in the full
     report); the fp32 forward under both matmul precisions (quick); then, bf16 d 128: GQA, the TMA variants, the
-    logit softcap, packed documents, a sliding window, and split-KV decoding with its combine kernel."""
+    logit softcap, gpt-oss's attention sinks (forward, decoding's combine), packed documents, a sliding window, and
+    split-KV decoding with its combine kernel."""
     meta = torch.device("meta")
     cases = []
     for dtype in _registry.SASS_DTYPES:
@@ -124,6 +125,20 @@ def _sass_cases(quick: bool) -> list[_registry.SassCase]:
                            lambda: flash_attention_backward(q16, q16, q16, q16, q16, lse16, True, 0.1, softcap=50.0),
                            (L("attention.softcap_bwd_dkdv", 1, 8 * flops16), L("attention.softcap_bwd_dq", 2, 6 * flops16))),
     ]
+    # gpt-oss's attention sinks (one extra logit per head in each row's softmax, folded in at the epilogue; the
+    # backward's kernels are unchanged: lse carries the sink), 64 query heads on 8 kv heads at d 64, and the sink in
+    # split-KV decoding's combine kernel
+    q64 = torch.empty(1, 64, 4096, 64, dtype=dtype, device=meta)
+    kv64 = torch.empty(1, 8, 4096, 64, dtype=dtype, device=meta)
+    sinks = torch.empty(64, dtype=torch.float32, device=meta)
+    cases.append(_registry.SassCase(
+        "1x64(8kv)x4096x64 causal sinks bf16", lambda: flash_attention_forward(q64, kv64, kv64, True, 0.1, sinks=sinks),
+        (L("attention.sinks_fwd", 0, 4 * 64 * _causal_pairs(4096) * 64),)))
+    q1s = torch.empty(4, 64, 1, 64, dtype=dtype, device=meta)
+    cache64 = torch.empty(4, 8, 32768, 64, dtype=dtype, device=meta)
+    cases.append(_registry.SassCase(
+        "4x64 heads, 1 query, sinks", lambda: flash_attention_forward(q1s, cache64, cache64, True, 0.1, sinks=sinks),
+        (L("attention.sinks_decode_combine", 1),)))
     packed = torch.empty(8192, 16, d, dtype=dtype, device=meta)
     cu = torch.empty(9, dtype=torch.int32, device=meta)
     cases.append(_registry.SassCase(

@@ -8,6 +8,7 @@ from .. import _registry, tuned
 from .launch import (
     BLOCK_M_GPU,
     ROW_TILE_CONFIGS,
+    Spec,
     _row_tile_config,
     _weight_grad_config,
     moe_backward,
@@ -20,6 +21,8 @@ L = _registry.SassLaunch
 
 #: Mixtral-8x7B's layer: 8192 tokens, H 4096, I 14336, 8 experts, top-2
 MIXTRAL = dict(tokens=8192, d_model=4096, d_ff=14336, experts=8, top_k=2)
+#: gpt-oss-20b's layer: 8192 tokens, H 2880, I 2880, 32 experts, top-4
+GPT_OSS = dict(tokens=8192, d_model=2880, d_ff=2880, experts=32, top_k=4)
 
 
 def _meta_problem(dtype, tokens, d_model, d_ff, experts, top_k):
@@ -39,7 +42,8 @@ def _meta_problem(dtype, tokens, d_model, d_ff, experts, top_k):
 
 def _sass_cases(quick: bool) -> list[_registry.SassCase]:
     """Mixtral-8x7B layer shapes, bf16 (and fp32 in the full report): the forward's two grouped GEMMs and the
-    backward's four (its routing weights' partials, d hidden, both weight gradients)."""
+    backward's four (its routing weights' partials, d hidden, both weight gradients); then gpt-oss-20b's biased,
+    clamped, interleaved layer (bf16): the forward, and the backward kernels the options change."""
     cases = []
     for dtype in _registry.SASS_DTYPES[:1] if quick else _registry.SASS_DTYPES:
         hidden, index, weights, gate_up, down, routing, pre = _meta_problem(dtype, **MIXTRAL)
@@ -55,6 +59,26 @@ def _sass_cases(quick: bool) -> list[_registry.SassCase]:
                 h, h, w, g, d, p, r, "silu"),
             (L("moe.down_bwd", 0, down_flops), L("moe.dx", 1, up_flops), L("moe.dgate_up", 2, up_flops),
              L("moe.ddown", 3, down_flops))))
+    # gpt-oss-20b's layer as the patched HF module runs it: the parameters read in place through transposed views
+    # (gate_up [E, H, 2I] with gate / up interleaved, down [E, I, H]), both biased, the clamped SwiGLU
+    dtype, (tokens, d_model, d_ff, experts, top_k) = torch.bfloat16, GPT_OSS.values()
+    hidden, index, weights, _, _, routing, pre = _meta_problem(dtype, **GPT_OSS)
+    meta = torch.device("meta")
+    gate_up = torch.empty(experts, d_model, 2 * d_ff, dtype=dtype, device=meta).transpose(1, 2)
+    down = torch.empty(experts, d_ff, d_model, dtype=dtype, device=meta).transpose(1, 2)
+    gate_up_bias = torch.empty(experts, 2 * d_ff, dtype=dtype, device=meta)
+    down_bias = torch.empty(experts, d_model, dtype=dtype, device=meta)
+    spec = Spec("swiglu_clamped", interleaved=True)
+    biases = dict(gate_up_bias=gate_up_bias, down_bias=down_bias, spec=spec)
+    up_flops = 2 * tokens * top_k * 2 * d_ff * d_model
+    case = "T8192 H2880 I2880 E32 K4 gpt-oss bf16"
+    cases.append(_registry.SassCase(
+        case, lambda: moe_forward(hidden, index, weights, gate_up, down, spec.activation, routing, **biases),
+        (L("moe.gpt_oss_up", 0, up_flops), L("moe.gpt_oss_down", 1, up_flops // 2))))
+    cases.append(_registry.SassCase(
+        case, lambda: moe_backward(hidden, hidden, weights, gate_up, down, pre, routing, spec.activation, **biases),
+        (L("moe.gpt_oss_down_bwd", 0, up_flops // 2), L("moe.gpt_oss_dx", 1, up_flops),
+         L("moe.gpt_oss_dgate_up", 2, up_flops), L("moe.gpt_oss_dgate_up_bias", 4))))
     return cases
 
 

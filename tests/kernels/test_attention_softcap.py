@@ -10,9 +10,7 @@ import torch
 from tritonlm.kernels import flash_attention, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from tritonlm.modules import functional
 
-from helpers import FP32_ATTENTION_TOL, flash_visibility
-
-TOL = {torch.float32: FP32_ATTENTION_TOL, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+from helpers import ATTENTION_TOL, assert_attention_close, flash_visibility
 
 
 def _reference(q, k, v, causal, window, softcap, scale=None):
@@ -28,13 +26,6 @@ def _reference(q, k, v, causal, window, softcap, scale=None):
     visible = flash_visibility(n_q, n_k, causal, window)
     p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
     return torch.einsum("bhqk,bkhd->bqhd", p, v)
-
-
-def _check(out, ref, grads, ref_grads, dtype):
-    tol = TOL[dtype]
-    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
-    for got, want in zip(grads, ref_grads):
-        torch.testing.assert_close(got.double(), want, atol=4 * tol, rtol=4 * tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -54,9 +45,9 @@ def test_flash_attn_func_softcap_vs_fp64(dtype, n_q, n_k, causal, window, heads,
     grads = torch.autograd.grad(out, (q, k, v), do)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = _reference(q64, k64, v64, causal, window, 5.0)
-    _check(out, ref, grads, torch.autograd.grad(ref, (q64, k64, v64), do.double()), dtype)
+    assert_attention_close(out, ref, grads, torch.autograd.grad(ref, (q64, k64, v64), do.double()), dtype)
     # the cap changed the result: the uncapped attention is far from it
-    assert (out.double() - _reference(q64, k64, v64, causal, window, 0.0)).abs().max() > 10 * TOL[dtype]
+    assert (out.double() - _reference(q64, k64, v64, causal, window, 0.0)).abs().max() > 10 * ATTENTION_TOL[dtype]
 
 
 def test_flash_attention_softcap_leading_dims_noncontiguous_and_scale():
@@ -74,7 +65,7 @@ def test_flash_attention_softcap_leading_dims_noncontiguous_and_scale():
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     mask = functional.causal_mask(21, 21)
     ref = functional.scaled_dot_product_attention(q64, k64, v64, mask, scale=0.3, softcap=2.5)
-    _check(out, ref, grads, torch.autograd.grad(ref, (q64, k64, v64), do.double()), torch.float32)
+    assert_attention_close(out, ref, grads, torch.autograd.grad(ref, (q64, k64, v64), do.double()), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -93,7 +84,7 @@ def test_flash_attn_varlen_func_softcap(dtype):
     pieces = [_reference(q64[None, a:b], k64[None, a:b], v64[None, a:b], True, (5, 0), 4.0)[0]
               for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()) if b > a]
     ref = torch.cat(pieces)
-    _check(out, ref, grads, torch.autograd.grad(ref, (q64, k64, v64), do.double()), dtype)
+    assert_attention_close(out, ref, grads, torch.autograd.grad(ref, (q64, k64, v64), do.double()), dtype)
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -121,7 +112,7 @@ def test_kvcache_decoding_softcap(paged):
         out = flash_attn_with_kvcache(q, keys, values, cache_seqlens=seqlens, causal=True, softcap=6.0)
     for b, n in enumerate(lengths):
         ref = _reference(q[b:b + 1], keys[b:b + 1, :n], values[b:b + 1, :n], True, (-1, -1), 6.0)
-        torch.testing.assert_close(out[b:b + 1].double(), ref, atol=FP32_ATTENTION_TOL, rtol=FP32_ATTENTION_TOL)
+        torch.testing.assert_close(out[b:b + 1].double(), ref, atol=ATTENTION_TOL[torch.float32], rtol=ATTENTION_TOL[torch.float32])
 
 
 @pytest.mark.parametrize("softcap", [-1.0, float("nan"), float("inf")])

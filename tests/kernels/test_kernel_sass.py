@@ -108,14 +108,38 @@ def test_attention_uses_tensor_cores(rows):
             continue  # IEEE fp32 dots run on FMA units by design (torch's "highest" precision)
         if r["kernel"] in ("attention.fwd", "attention.bwd_dkdv", "attention.bwd_dq", "attention.gqa_fwd",
                            "attention.gqa_bwd_dkdv", "attention.varlen_fwd", "attention.window_fwd",
-                           "attention.softcap_fwd", "attention.softcap_bwd_dkdv", "attention.softcap_bwd_dq"):
+                           "attention.softcap_fwd", "attention.softcap_bwd_dkdv", "attention.softcap_bwd_dq",
+                           "attention.sinks_fwd"):
             key = "HGMMA" if r["arch"] == "sm_90" else "HMMA"
             assert r["sass"].get(key, 0) > 0, r
         if r["kernel"].startswith("moe."):  # the grouped GEMMs: wgmma on sm_90, mma on sm_80
             key = "HGMMA" if r["arch"] == "sm_90" else "HMMA"
-            assert r["sass"].get(key, 0) > 0 and r["sass"].get("LDGSTS", 0) > 0, r
+            assert r["sass"].get(key, 0) > 0, r
+            # their tiles through async copies (a bias gradient's one operand tile may load straight to registers)
+            assert r["sass"].get("LDGSTS", 0) + r["kernel"].endswith("_bias") * r["sass"].get("LDG.128", 0) > 0, r
         if r["kernel"] in ("attention.decode_split", "attention.paged_decode_split"):  # 16-query tiles: mma (HMMA)
             assert r["sass"].get("HMMA", 0) + r["sass"].get("HGMMA", 0) > 0, r
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_sinks_cost_no_registers(rows, arch):
+    """gpt-oss's sinks are folded in at the forward's epilogue: spill-free, and no more registers than the same d 64
+    bf16 forward without them."""
+    plain = next(r for r in _by(rows, arch, "attention.fwd") if r["case"] == "1x16x4096x64 causal bfloat16")
+    sinks = _by(rows, arch, "attention.sinks_fwd")[0]
+    assert not sinks["spill_bytes"] and sinks["registers"] <= plain["registers"], (sinks, plain)
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_interleaved_experts_load_contiguous_weight_rows(rows, arch):
+    """gpt-oss's gate_up parameter read in place (interleaved rows through a transposed view): the up projection
+    and dx load it as contiguous slices through 128-bit async copies (no per-element gathers: at most the bias
+    vector's one 16-bit load), spill-free, at no more than 16 registers over the stacked layout's kernel or 128
+    (two 8-warp CTAs per SM; dx interleaves dPRE's halves in registers, where the stacked dx needs 64 on sm_90)."""
+    for interleaved, stacked in (("moe.gpt_oss_up", "moe.up"), ("moe.gpt_oss_dx", "moe.dx")):
+        r, base = _by(rows, arch, interleaved)[0], _by(rows, arch, stacked)[0]
+        assert r["sass"].get("LDGSTS.128", 0) > 0 and r["sass"].get("LDG.16", 0) <= 1, r
+        assert r["registers"] <= max(base["registers"] + 16, 128) and not r["spill_bytes"], (r, base)
 
 
 def test_fp32_ieee_attention_has_no_tf32_mma(rows):

@@ -155,3 +155,115 @@ def test_no_tokens():
     assert out.shape == (0, 16)
     out.sum().backward()
     assert gate_up.grad.shape == gate_up.shape and gate_up.grad.abs().max() == 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# gpt-oss's experts: biases, the clamped SwiGLU, interleaved gate / up rows read in place
+# ----------------------------------------------------------------------------------------------------
+def _gpt_oss_problem(tokens, d_model, d_ff, experts, top_k, seed=4):
+    """A problem with biases, the gate_up weight held as gpt-oss holds it (``[E, H, 2I]``, gate / up columns
+    interleaved), and a clamp limit that binds on both sides but lies in a gap of the routed pre-activations'
+    magnitudes (none within 0.01 of it): a 16-bit rounding then cannot move a value across the clamp's kink, where the
+    gradient jumps."""
+    hidden, index, weights, gate_up, down = _problem(tokens, d_model, d_ff, experts, top_k, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    held = (3 * gate_up).transpose(1, 2).contiguous()  # [E, H, 2I]
+    gate_up_bias = torch.randn(experts, 2 * d_ff, generator=gen, dtype=torch.float64)
+    down_bias = torch.randn(experts, d_model, generator=gen, dtype=torch.float64)
+    # the routed pairs' pre-activations
+    pre = torch.cat([hidden[t] @ held[e] + gate_up_bias[e] for t, e in zip(
+        torch.arange(tokens).repeat_interleave(top_k).tolist(), index.flatten().tolist())]).abs().sort().values
+    middle = pre[len(pre) // 4: 3 * len(pre) // 4]
+    gaps = middle[1:] - middle[:-1]
+    widest = int(gaps.argmax())
+    assert gaps[widest] > 0.02
+    limit = float(middle[widest] + middle[widest + 1]) / 2
+    return hidden, index, weights, held, down, gate_up_bias, down_bias, limit
+
+
+@pytest.mark.parametrize("dtype, tol", DTYPE_TOLERANCES)
+@pytest.mark.parametrize("layout", ["interleaved", "stacked"])
+def test_biased_clamped_experts_vs_fp64(dtype, tol, layout):
+    """Every output and gradient (hidden, routing weights, both weights, both biases) of the clamped, biased
+    experts against the fp64 loop; the weight read through its transposed view (no copy)."""
+    hidden, index, weights, held, down, gate_up_bias, down_bias, limit = _gpt_oss_problem(13, 24, 20, 5, 2)
+    opts = dict(activation="swiglu_clamped", alpha=1.702, limit=limit, gate_up_layout=layout)
+    ours = [t.to(dtype).requires_grad_() for t in (hidden, weights, held, down, gate_up_bias, down_bias)]
+    ref = [t.to(dtype).double().requires_grad_() for t in (hidden, weights, held, down, gate_up_bias, down_bias)]
+    out = moe_experts(ours[0], index, ours[1], ours[2].transpose(1, 2), ours[3], gate_up_bias=ours[4],
+                      down_bias=ours[5], **opts)
+    expected = F.moe_experts(ref[0], index, ref[1], ref[2].transpose(1, 2), ref[3], gate_up_bias=ref[4],
+                             down_bias=ref[5], **opts)
+    pre = ref[0] @ ref[2][0] + ref[4][0]  # (the clamp binds: pre-activations beyond ±limit on both sides)
+    assert (pre > limit).any() and (pre < -limit).any()
+    grad = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    out.backward(grad.to(dtype))
+    expected.backward(grad.to(dtype).double())
+    names = ("d hidden", "d weights", "d gate_up", "d down", "d gate_up_bias", "d down_bias")
+    for name, got, want in [("out", out, expected)] + [(n, a.grad, b.grad) for n, a, b in zip(names, ours, ref)]:
+        size = want.abs().max().clamp_min(1e-6)
+        torch.testing.assert_close(got.double() / size, want / size, atol=tol["atol"] * 4, rtol=tol["rtol"] * 4,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_gpt_oss_experts_module_is_the_spec():
+    """transformers' own ``GptOssExperts`` (its eager loop) equals the readable spec with gpt-oss's options, and the
+    fused kernel on the module's parameters as stored (gradients of every parameter included)."""
+    transformers = pytest.importorskip("transformers", reason="the optional extra tritonlm[hf] is not installed")
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    config = transformers.GptOssConfig(hidden_size=16, intermediate_size=12, num_local_experts=4, swiglu_limit=1.0)
+    torch.manual_seed(5)
+    module = GptOssExperts(config)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.7)
+    hidden = torch.randn(9, 16)
+    index = torch.stack([torch.randperm(4)[:2] for _ in range(9)])
+    weights = torch.rand(9, 2)
+    expected = module(hidden, index, weights)
+    opts = dict(activation="swiglu_clamped", alpha=config.swiglu_alpha, limit=config.swiglu_limit,
+                gate_up_layout="interleaved", gate_up_bias=module.gate_up_proj_bias, down_bias=module.down_proj_bias)
+    spec = F.moe_experts(hidden, index, weights, module.gate_up_proj.transpose(1, 2), module.down_proj.transpose(1, 2),
+                         **opts)
+    torch.testing.assert_close(spec, expected, atol=1e-5, rtol=1e-5)
+    expected.square().sum().backward()
+    theirs = {n: p.grad.clone() for n, p in module.named_parameters()}
+    module.zero_grad()
+    fused = moe_experts(hidden, index, weights, module.gate_up_proj.transpose(1, 2), module.down_proj.transpose(1, 2),
+                        **opts)
+    torch.testing.assert_close(fused, expected, atol=1e-4, rtol=1e-4)
+    fused.square().sum().backward()
+    for name, p in module.named_parameters():
+        torch.testing.assert_close(p.grad, theirs[name], atol=2e-4, rtol=2e-4, msg=name)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(activation="relu"), "activation must be one of"), (dict(gate_up_layout="split"), "gate_up_layout"),
+    (dict(activation="swiglu_clamped", limit=0.0), "limit > 0"),
+    (dict(gate_up_bias=torch.zeros(3, 47)), r"gate_up_bias must be torch.float32 \[3, 48\]"),
+    (dict(down_bias=torch.zeros(3, 16, dtype=torch.float64)), "down_bias must be torch.float32"),
+])
+def test_bad_expert_options_are_one_line_errors(kwargs, message):
+    hidden, index, weights, gate_up, down = (t.float() if t.is_floating_point() else t
+                                             for t in _problem(4, 16, 24, 3, 2))
+    with pytest.raises(ValueError, match=message):
+        moe_experts(hidden, index, weights, gate_up, down, **kwargs)
+
+
+def test_router_bias_and_softmax_after_topk_are_gpt_oss_router():
+    """``moe_router(logit_bias=, softmax_after_topk=True)`` is transformers' ``GptOssTopKRouter``."""
+    transformers = pytest.importorskip("transformers", reason="the optional extra tritonlm[hf] is not installed")
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+
+    router = GptOssTopKRouter(transformers.GptOssConfig(hidden_size=16, num_local_experts=6, num_experts_per_tok=3))
+    torch.manual_seed(6)
+    with torch.no_grad():
+        router.weight.normal_()
+        router.bias.normal_()
+    hidden = torch.randn(11, 16)
+    logits, scores, index = router(hidden)
+    ours = F.moe_router(hidden, router.weight, 3, logit_bias=router.bias, softmax_after_topk=True)
+    torch.testing.assert_close(ours[0], logits)
+    assert torch.equal(ours[2], index)
+    torch.testing.assert_close(ours[1], scores)
