@@ -115,7 +115,7 @@ def fused_loss_baselines() -> dict:
 
 def moe_baselines(device) -> dict:
     """Expert-FFN implementations ``fn(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj) -> out`` to time
-    beside ``kernels.moe_experts``: the eager per-expert loop (transformers' eager experts code does the same: a
+    beside ``kernels.moe_experts`` (the eager loop and ``_grouped_mm`` also take its gpt-oss keyword options): the eager per-expert loop (transformers' eager experts code does the same: a
     gather, two matmuls and an ``index_add`` per expert) everywhere; ``torch._grouped_mm`` (tokens sorted by expert,
     two grouped GEMMs) where this torch has it on a CUDA device; Liger-Kernel's fused MoE where the installed
     release has it (CUDA)."""
@@ -124,7 +124,8 @@ def moe_baselines(device) -> dict:
     out = {"eager-loop": F.moe_experts}
     grouped_mm = getattr(torch, "_grouped_mm", None)
     if grouped_mm is not None and torch.device(device).type == "cuda":
-        def grouped(hidden, index, weights, gate_up, down):
+        def grouped(hidden, index, weights, gate_up, down, *, activation="silu", gate_up_bias=None, down_bias=None,
+                    alpha=1.702, limit=7.0, gate_up_layout="stacked"):
             n_experts, d_ff = gate_up.shape[0], gate_up.shape[1] // 2
             flat = index.reshape(-1)
             order = torch.argsort(flat, stable=True)
@@ -132,9 +133,20 @@ def moe_baselines(device) -> dict:
             counts = torch.zeros(n_experts, dtype=torch.int64, device=flat.device).scatter_add_(
                 0, flat, torch.ones_like(flat))
             offs = counts.cumsum(0).to(torch.int32)
+            expert = flat[order]
             gu = grouped_mm(hidden[tokens], gate_up.transpose(1, 2), offs=offs)
-            h = torch.nn.functional.silu(gu[:, :d_ff]) * gu[:, d_ff:]
-            y = grouped_mm(h, down.transpose(1, 2), offs=offs) * weights.reshape(-1)[order, None].to(h.dtype)
+            if gate_up_bias is not None:
+                gu = gu + gate_up_bias[expert]
+            gate, up = (gu[:, 0::2], gu[:, 1::2]) if gate_up_layout == "interleaved" else (gu[:, :d_ff], gu[:, d_ff:])
+            if activation == "swiglu_clamped":  # gpt-oss's gated unit (the eager expert code's)
+                gate = gate.clamp(max=limit)
+                h = (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(alpha * gate)
+            else:
+                h = torch.nn.functional.silu(gate) * up
+            y = grouped_mm(h, down.transpose(1, 2), offs=offs)
+            if down_bias is not None:
+                y = y + down_bias[expert]
+            y = y * weights.reshape(-1)[order, None].to(h.dtype)
             return torch.zeros_like(hidden).index_add(0, tokens, y)
 
         out["torch._grouped_mm"] = grouped

@@ -252,6 +252,16 @@ def attention_variant_rows(device, copy_bw, smoke=False, time_left=lambda: 1e9):
             out = flash_attention(q, k, v, True, softcap=cap)
             out.backward(torch.ones_like(out))
         timed("softcap", impl, capped)
+    # ---- gpt-oss's attention sinks (one logit per head, folded in the epilogue; their gradient a per-head sum)
+    sink_logits = torch.randn(h_q, device=device, requires_grad=True)
+    for impl, sinks in (("tritonlm-no-sinks", None), ("tritonlm-sinks", sink_logits)):
+        q = torch.randn(2, h_q, seq, d, device=device, dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(2, h_kv, seq, d, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+
+        def sunk(q=q, k=k, v=v, sinks=sinks):
+            out = flash_attention(q, k, v, True, sinks=sinks)
+            out.backward(torch.ones_like(out))
+        timed("sinks", impl, sunk)
     # ---- decoding: one query, long caches
     for batch, cache in ([(1, 2100)] if smoke else [(1, 8192), (8, 8192), (1, 32768), (4, 32768)]):
         if time_left() < 30:
@@ -259,13 +269,14 @@ def attention_variant_rows(device, copy_bw, smoke=False, time_left=lambda: 1e9):
         q = torch.randn(batch, h_q, 1, d, device=device, dtype=dtype)
         k, v = (torch.randn(batch, h_kv, cache, d, device=device, dtype=dtype) for _ in range(2))
         nbytes = 2 * k.numel() * k.element_size()
-        for impl in ("tritonlm-split-kv", "sdpa"):
+        # (with sinks: gpt-oss decoding, the sink folded in once per row by the combine kernel)
+        for impl in ("tritonlm-split-kv", "tritonlm-sinks-split-kv", "sdpa"):
             def dec(impl=impl, q=q, k=k, v=v):
                 with torch.no_grad():
                     if impl == "sdpa":
                         TF.scaled_dot_product_attention(q, k, v, enable_gqa=True)
                     else:
-                        FlashAttention.apply(q, k, v, True)
+                        flash_attention(q, k, v, True, sinks=sink_logits.detach() if "sinks" in impl else None)
             timed("decode", f"{impl} b{batch} cache {cache}", dec,
                   GBps=lambda ms, n=nbytes: n / ms / 1e6, pct_copy_bw=lambda ms, n=nbytes: 100 * n / ms / 1e6 * 1e9
                   / copy_bw)
@@ -343,30 +354,42 @@ def moe_rows(device, smoke=False, time_left=lambda: 1e9):
     from tritonlm.kernels import moe_experts
 
     dtype = torch.float32 if smoke else torch.bfloat16
-    shapes = [(48, 32, 40, 5, 2)] if smoke else [(8192, 4096, 14336, 8, 2), (8192, 2048, 768, 128, 8)]
+    # (tokens, H, I, experts, top-k, gpt-oss's options): Mixtral-8x7B, Qwen3-MoE-like, gpt-oss-20b's layer
+    shapes = [(48, 32, 40, 5, 2, False), (40, 24, 20, 6, 2, True)] if smoke else [
+        (8192, 4096, 14336, 8, 2, False), (8192, 2048, 768, 128, 8, False), (8192, 2880, 2880, 32, 4, True)]
     impls = {**moe_baselines(device), "tritonlm": moe_experts}
     rows = []
-    for tokens, d_model, d_ff, experts, top_k in shapes:
+    for tokens, d_model, d_ff, experts, top_k, gpt_oss in shapes:
         if time_left() < 60:
             break
-        shape = f"T{tokens} H{d_model} I{d_ff} E{experts} K{top_k}"
+        shape = f"T{tokens} H{d_model} I{d_ff} E{experts} K{top_k}" + (" gpt-oss" if gpt_oss else "")
         hidden = torch.randn(tokens, d_model, device=device, dtype=dtype, requires_grad=True)
         logits = torch.randn(tokens, experts, device=device)
         weights, index = torch.softmax(logits, -1).topk(top_k, -1)
         weights = (weights / weights.sum(-1, keepdim=True)).to(dtype).requires_grad_()
         gate_up = (torch.randn(experts, 2 * d_ff, d_model, device=device, dtype=dtype) / d_model**0.5).requires_grad_()
         down = (torch.randn(experts, d_model, d_ff, device=device, dtype=dtype) / d_ff**0.5).requires_grad_()
-        args = (hidden, index, weights, gate_up, down)
+        opts = {}
+        if gpt_oss:  # biases, the clamped SwiGLU, the [E, H, 2I] parameter read through its transposed view
+            gate_up = (torch.randn(experts, d_model, 2 * d_ff, device=device, dtype=dtype)
+                       / d_model**0.5).requires_grad_()
+            opts = dict(activation="swiglu_clamped", gate_up_layout="interleaved",
+                        gate_up_bias=torch.zeros(experts, 2 * d_ff, device=device, dtype=dtype, requires_grad=True),
+                        down_bias=torch.zeros(experts, d_model, device=device, dtype=dtype, requires_grad=True))
+        args = (hidden, index, weights, gate_up.transpose(1, 2) if gpt_oss else gate_up, down)
         # active FLOPs: per routed pair, 2·H·2I (gate and up) + 2·I·H (down); backward twice that
         fwd_flops = 2 * tokens * top_k * 3 * d_model * d_ff
         grad = torch.ones(tokens, d_model, device=device, dtype=dtype)
         for impl, fn in impls.items():
-            def fwd(fn=fn, args=args):
-                with torch.no_grad():
-                    fn(*args)
+            if gpt_oss and impl == "liger-kernel":  # (its fused MoE has no biases or clamp)
+                continue
 
-            def both(fn=fn, args=args, grad=grad):
-                fn(*args).backward(grad)
+            def fwd(fn=fn, args=args, opts=opts):
+                with torch.no_grad():
+                    fn(*args, **opts)
+
+            def both(fn=fn, args=args, grad=grad, opts=opts):
+                fn(*args, **opts).backward(grad)
 
             try:
                 t_f = statistics.median(_time(fwd, device, smoke))

@@ -7,6 +7,8 @@ Each group is one comparison in one process, forward + backward (decoding: forwa
   kernel, vs SDPA with an explicit block-diagonal mask, and flex-attention's document mask when importable.
   Target: varlen no slower than padded.
 - softcap: Gemma 2's attention logit softcap (50) vs none, forward + backward. Target: <= 1.15x the time.
+- sinks: gpt-oss's attention sinks (one logit per head) vs none, forward + backward, and decoding against a cache
+  (split-KV: the sink in the combine). Target: <= 1.05x the time.
 - decoding: one query against an 8K / 32K KV cache (batch 1 / 4 / 8) through the split-KV path vs SDPA;
   ``extra_info`` carries the bandwidth of reading the cache once. Target: >= 70% of the copy bandwidth.
 """
@@ -15,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as TF
 
-from tritonlm.kernels import FlashAttention, flash_attention, flash_attn_varlen_func
+from tritonlm.kernels import FlashAttention, flash_attention, flash_attn_varlen_func, flash_attn_with_kvcache
 
 from benchutil import DEVICE, MACHINE, ON_GPU, run
 
@@ -111,6 +113,30 @@ def test_softcap_fwd_bwd(benchmark, softcap):
     mean = run(benchmark, _fwd_bwd(lambda q, k, v: flash_attention(q, k, v, True, softcap=softcap), (q, k, v)))
     flops = 3.5 * 4 * 2 * h * SEQ * SEQ * D / 2
     benchmark.extra_info.update({"device": MACHINE.get()["device"], "TFLOP/s": round(flops / mean / 1e12, 3)})
+
+
+@pytest.mark.parametrize("sinks", [False, True], ids=["no-sinks", "sinks"])
+def test_sinks_fwd_bwd(benchmark, sinks):
+    h_q, h_kv = HEADS
+    q = torch.randn(2, h_q, SEQ, D, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    k, v = (torch.randn(2, h_kv, SEQ, D, device=DEVICE, dtype=DTYPE, requires_grad=True) for _ in range(2))
+    logits = torch.randn(h_q, device=DEVICE, requires_grad=True) if sinks else None
+    mean = run(benchmark, _fwd_bwd(lambda q, k, v: flash_attention(q, k, v, True, sinks=logits), (q, k, v)))
+    flops = 3.5 * 4 * 2 * h_q * SEQ * SEQ * D / 2
+    benchmark.extra_info.update({"device": MACHINE.get()["device"], "TFLOP/s": round(flops / mean / 1e12, 3)})
+
+
+@pytest.mark.parametrize("sinks", [False, True], ids=["no-sinks", "sinks"])
+def test_sinks_decode(benchmark, sinks):
+    h_q, h_kv = HEADS
+    batch, cache = DECODE[0]
+    q = torch.randn(batch, 1, h_q, D, device=DEVICE, dtype=DTYPE)
+    k, v = (torch.randn(batch, cache, h_kv, D, device=DEVICE, dtype=DTYPE) for _ in range(2))
+    logits = torch.randn(h_q, device=DEVICE) if sinks else None
+    with torch.no_grad():
+        mean = run(benchmark, lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=cache, causal=True, sinks=logits))
+    gbps = 2 * k.numel() * k.element_size() / mean / 1e9
+    benchmark.extra_info.update({"device": MACHINE.get()["device"], "cache GB/s": round(gbps, 2)})
 
 
 @pytest.mark.parametrize("impl", ["tritonlm-split-kv", "sdpa"])

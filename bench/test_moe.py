@@ -38,3 +38,34 @@ def test_moe_experts_fwd_bwd(benchmark, shape, impl):
     benchmark.group = f"moe experts fwd+bwd T{tokens} H{d_model} I{d_ff} E{experts} K{top_k}"
     benchmark.extra_info.update(device=MACHINE.get()["device"],
                                 active_TFLOPs=3 * 2 * tokens * top_k * 3 * d_model * d_ff / mean / 1e12)
+
+
+#: gpt-oss-20b's layer (T 8192, H 2880, I 2880, 32 experts, top-4) on GPUs; a tiny one on CPU
+GPT_OSS = (8192, 2880, 2880, 32, 4) if ON_GPU else (40, 24, 20, 6, 2)
+
+
+@pytest.mark.parametrize("impl", ["eager-loop", "torch._grouped_mm", "tritonlm"])
+def test_gpt_oss_experts_fwd_bwd(benchmark, impl):
+    """gpt-oss's experts: biases, the clamped SwiGLU, gate / up interleaved in ``[E, H, 2I]`` read in place."""
+    fn = {**moe_baselines(DEVICE), "tritonlm": moe_experts}.get(impl)
+    if fn is None:
+        pytest.skip(f"{impl}: not available here (CUDA only: a torch with _grouped_mm)")
+    tokens, d_model, d_ff, experts, top_k = GPT_OSS
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    hidden = torch.randn(tokens, d_model, device=DEVICE, dtype=DTYPE, generator=gen, requires_grad=True)
+    logits, index = torch.randn(tokens, experts, device=DEVICE, generator=gen).topk(top_k, -1)
+    weights = torch.softmax(logits, -1).to(DTYPE).requires_grad_()
+    held = (torch.randn(experts, d_model, 2 * d_ff, device=DEVICE, dtype=DTYPE, generator=gen)
+            / d_model**0.5).requires_grad_()
+    down = (torch.randn(experts, d_model, d_ff, device=DEVICE, dtype=DTYPE, generator=gen) / d_ff**0.5).requires_grad_()
+    biases = [torch.zeros(experts, n, device=DEVICE, dtype=DTYPE, requires_grad=True) for n in (2 * d_ff, d_model)]
+    opts = dict(activation="swiglu_clamped", gate_up_bias=biases[0], down_bias=biases[1], gate_up_layout="interleaved")
+    grad = torch.ones(tokens, d_model, device=DEVICE, dtype=DTYPE)
+
+    def step():
+        fn(hidden, index, weights, held.transpose(1, 2), down, **opts).backward(grad)
+
+    mean = run(benchmark, step)
+    benchmark.group = f"gpt-oss experts fwd+bwd T{tokens} H{d_model} I{d_ff} E{experts} K{top_k}"
+    benchmark.extra_info.update(device=MACHINE.get()["device"],
+                                active_TFLOPs=3 * 2 * tokens * top_k * 3 * d_model * d_ff / mean / 1e12)

@@ -64,6 +64,15 @@ def verdicts(report) -> list[dict]:
     if "tritonlm-softcap" in variants and "tritonlm-no-softcap" in variants:
         t = variants["tritonlm-softcap"]["ms"] / variants["tritonlm-no-softcap"]["ms"]
         add("attention with a logit softcap (Gemma 2) <= 1.15x the time without", t <= 1.15, f"{t:.2f}x")
+    if "tritonlm-sinks" in variants and "tritonlm-no-sinks" in variants:
+        t = variants["tritonlm-sinks"]["ms"] / variants["tritonlm-no-sinks"]["ms"]
+        add("attention with sinks (gpt-oss) <= 1.05x the time without", t <= 1.05, f"{t:.2f}x")
+    sunk = [(r["ms"] / variants[c.replace("tritonlm-sinks-split-kv", "tritonlm-split-kv")]["ms"], c)
+            for c, r in variants.items() if c.startswith("tritonlm-sinks-split-kv")
+            and c.replace("tritonlm-sinks-split-kv", "tritonlm-split-kv") in variants]
+    if sunk:
+        t, case = max(sunk)
+        add("split-KV decode with sinks (gpt-oss) <= 1.05x the time without", t <= 1.05, f"worst {t:.2f}x ({case})")
     decode = [r for c, r in variants.items() if c.startswith("tritonlm-split-kv")]
     if decode:
         worst = min(decode, key=lambda r: r["pct_copy_bw"])

@@ -24,11 +24,15 @@ from helpers import (
     transformers_or_skip,
 )
 
-
 # ----------------------------------------------------------------------------------------------------
 # from_pretrained / save_pretrained
 # ----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("tie,scaling", [(False, None), (True, LLAMA3_SCALING)], ids=["untied", "tied-llama3"])
+#: YaRN on a Llama (rope_scaling "yarn", with its attention factor), bent at the positions the test reaches
+YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize("tie,scaling", [(False, None), (True, LLAMA3_SCALING), (False, YARN)],
+                         ids=["untied", "tied-llama3", "yarn"])
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_from_pretrained_matches_transformers(tmp_path, tie, scaling, backend):
     from tritonlm import hf

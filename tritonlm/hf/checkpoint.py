@@ -226,6 +226,8 @@ def layer_names(cfg: ModelConfig, i: int) -> dict[str, str]:
         keys.update({f"attn.{p}_norm.weight": f"self_attn.{p}_norm.weight" for p in ("q", "k")})
     if cfg.post_norms:
         keys.update({"attn_post_norm.weight": None, "ffn_post_norm.weight": None})
+    if cfg.attention_sinks:
+        keys["attn.sinks"] = "self_attn.sinks"
     if moe and cfg.shared_expert_d_ff:
         keys.update({"ffn.shared_expert.w1.weight": "mlp.shared_expert.gate_proj.weight",
                      "ffn.shared_expert.w2.weight": "mlp.shared_expert.down_proj.weight",
@@ -314,6 +316,8 @@ def _experts_from_hf(hf_state: dict, layer: str, cfg: ModelConfig, used: set, ou
     common ones) or stacked ones (``mlp.experts.gate_up_proj`` / ``down_proj``), into the stacked ``[E, 2I, H]`` /
     ``[E, H, I]`` layout."""
     weights = family(cfg.model_type).weights
+    if weights.expert_format == "transposed_interleaved":
+        return _transposed_experts_from_hf(hf_state, f"{layer}.{weights.expert_block}", used, ours)
     blocks = dict.fromkeys((weights.expert_block, "mlp"))
     block = next((f"{layer}.{name}" for name in blocks if f"{layer}.{name}.gate.weight" in hf_state), None)
     if block is None:
@@ -338,6 +342,42 @@ def _experts_from_hf(hf_state: dict, layer: str, cfg: ModelConfig, used: set, ou
     return out
 
 
+def _deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """Rows (dim 1) alternating gate, up -> gate rows, then up rows."""
+    return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
+
+
+def _interleave(t: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_deinterleave`."""
+    half = t.shape[1] // 2
+    return torch.stack([t[:, :half], t[:, half:]], dim=2).flatten(1, 2)
+
+
+def _transposed_experts_from_hf(hf_state: dict, block: str, used: set, ours: str) -> dict:
+    """gpt-oss's router (weight and bias) and experts (``gate_up_proj [E, H, 2I]`` interleaved, ``down_proj [E, I,
+    H]``, their biases) in the model's stacked layout (``[E, 2I, H]`` gate rows first, ``[E, H, I]``)."""
+    def take(key):
+        if key not in hf_state:
+            raise ValueError(f"checkpoint lacks {key}")
+        used.add(key)
+        return hf_state[key]
+
+    return {f"{ours}.router.weight": take(f"{block}.router.weight"), f"{ours}.router.bias": take(f"{block}.router.bias"),
+            f"{ours}.experts.gate_up_proj": _deinterleave(take(f"{block}.experts.gate_up_proj").transpose(1, 2)),
+            f"{ours}.experts.gate_up_bias": _deinterleave(take(f"{block}.experts.gate_up_proj_bias")),
+            f"{ours}.experts.down_proj": take(f"{block}.experts.down_proj").transpose(1, 2),
+            f"{ours}.experts.down_bias": take(f"{block}.experts.down_proj_bias")}
+
+
+def _transposed_experts_to_hf(state: dict, block: str, ours: str) -> dict:
+    """The inverse of :func:`_transposed_experts_from_hf`."""
+    return {f"{block}.router.weight": state[f"{ours}.router.weight"], f"{block}.router.bias": state[f"{ours}.router.bias"],
+            f"{block}.experts.gate_up_proj": _interleave(state[f"{ours}.experts.gate_up_proj"]).transpose(1, 2),
+            f"{block}.experts.gate_up_proj_bias": _interleave(state[f"{ours}.experts.gate_up_bias"]),
+            f"{block}.experts.down_proj": state[f"{ours}.experts.down_proj"].transpose(1, 2),
+            f"{block}.experts.down_proj_bias": state[f"{ours}.experts.down_bias"]}
+
+
 def state_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """This library's ``state_dict`` -> HF tensors (the inverse of :func:`state_from_hf`; tied heads omitted)."""
     inverse = torch.argsort(rope_row_order(cfg))
@@ -348,7 +388,9 @@ def state_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
             continue
         out[theirs] = state[ours]
     for i in range(cfg.num_layers):
-        if cfg.is_moe_layer(i):  # per-expert names (the Hub and transformers 4.x; 5.x converts them on load)
+        if cfg.is_moe_layer(i) and weights.expert_format == "transposed_interleaved":
+            out.update(_transposed_experts_to_hf(state, f"model.layers.{i}.{weights.expert_block}", f"layers.{i}.ffn"))
+        elif cfg.is_moe_layer(i):  # per-expert names (the Hub and transformers 4.x; 5.x converts them on load)
             block = f"model.layers.{i}.{weights.expert_block}"
             gate_name, up_name, down_name = weights.expert_names
             out[f"{block}.gate.weight"] = state[f"layers.{i}.ffn.router.weight"]

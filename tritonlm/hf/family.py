@@ -116,12 +116,18 @@ class Weights:
     ``rope_layout``: "half" (HF's ``rotate_half``: q/k rows are permuted to this library's interleaved pairs) or
     "interleaved" (the model's own layout: nothing to permute). ``fused``: tensors split on load and fused on
     save. ``expert_block`` / ``expert_names``: where an MoE layer's router and per-expert tensors live in a file
-    (``{block}.gate.weight``, ``{block}.experts.{j}.{gate, up, down}.weight``)."""
+    (``{block}.gate.weight``, ``{block}.experts.{j}.{gate, up, down}.weight``). ``expert_format``: "stacked"
+    (per-expert tensors, or transformers 5's stacked ``gate_up_proj [E, 2I, H]``) or "transposed_interleaved"
+    (gpt-oss: ``router.weight`` /
+    ``router.bias``, ``experts.gate_up_proj [E, H, 2I]`` with gate and up columns interleaved and its bias,
+    ``experts.down_proj [E, I, H]`` and its bias: transposed on load into the model's stacked layout and back on
+    save)."""
     names: Mapping[str, str] = field(default_factory=dict)
     rope_layout: str = "half"
     fused: tuple[Fused, ...] = ()
     expert_block: str = "mlp"
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    expert_format: str = "stacked"
 
 
 def no_logit_transform(config) -> dict:
@@ -136,13 +142,16 @@ class Kernels:
     with x̂ in fp32: OLMo 2) or "offset" (``x̂ · (1 + w)`` in fp32: Gemma). ``mlps``: MLP class -> "swiglu" / "geglu"
     (separate gate_proj / up_proj) or "gate_up" (one ``gate_up_proj``, gate features first, SiLU). ``attention``:
     the attention classes whose RoPE runs through the kernel, in ``rope_layout`` ("half" or "interleaved").
-    ``experts``: stacked expert classes. ``logits(config)``: what the fused loss applies to the logits (``{"softcap":
-    c}``, ``{"divisor": s}``)."""
+    ``rope_tables``: "full" (the cos / sin HF hands ``apply_rotary_pos_emb`` hold both halves) or "pairs" (one value
+    per rotated pair: gpt-oss). ``experts``: expert class -> "stacked" (transformers 5's ``gate_up_proj [E, 2I, H]``)
+    or "transposed_interleaved" (gpt-oss: ``[E, H, 2I]`` interleaved, biases, the clamped SwiGLU).
+    ``logits(config)``: what the fused loss applies to the logits (``{"softcap": c}``, ``{"divisor": s}``)."""
     norms: Mapping[str, str]
     mlps: Mapping[str, str]
     attention: tuple[str, ...]
-    experts: tuple[str, ...] = ()
+    experts: Mapping[str, str] = field(default_factory=dict)
     rope_layout: str = "half"
+    rope_tables: str = "full"
     logits: Callable[[Any], dict] = no_logit_transform
 
 
@@ -230,6 +239,8 @@ def read_rope(r: ConfigReader) -> tuple[float, dict | None, float]:
         r.ignore("rope_scaling")
     else:
         theta, scaling = r.get("rope_theta"), r.get("rope_scaling", None)
+        if scaling is None:  # (absent or null: the class's own scaling where it has one, gpt-oss's YaRN)
+            scaling = r.family.defaults.get("rope_scaling")
         partial = r.get("partial_rotary_factor", partial_default)
     return float(theta), canonical_scaling(scaling), float(partial)
 
@@ -287,13 +298,14 @@ def read_dropout(r: ConfigReader, *keys: str) -> float:
     return distinct.pop() if distinct else 0.0
 
 
-def read_decoder(r: ConfigReader, *, act_key: str = "hidden_act", acts=("silu", "swish"),
+def read_decoder(r: ConfigReader, *, act_key: str | None = "hidden_act", acts=("silu", "swish"),
                  partial_rotary: bool = False, rope: tuple | None = None) -> dict:
     """The fields every decoder family reads the same way: sizes, heads (GQA, an explicit ``head_dim``), the norm
     epsilon, tying, RoPE (base, scaling, and the partial rotary factor where ``partial_rotary``; ``rope``: the
     ``(theta, scaling)`` a family read itself), the positions (``context_length`` = ``max_position_embeddings``),
     and the activation (one of ``acts``)."""
-    r.require(act_key, acts, f"this family's FFN uses {acts[0]}")
+    if act_key is not None:  # (None: a family whose FFN ignores the activation key)
+        r.require(act_key, acts, f"this family's FFN uses {acts[0]}")
     d_model, heads = r.get("hidden_size"), r.get("num_attention_heads")
     kv_heads = r.get("num_key_value_heads") or heads
     head_dim = r.value_or_default("head_dim")

@@ -100,6 +100,17 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
                                   activation=activation)
 
 
+def _transposed_experts_forward(self, hidden_states: torch.Tensor, router_indices: torch.Tensor,
+                             routing_weights: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's experts (``gate_up_proj [E, H, 2I]`` with interleaved gate / up columns, ``down_proj [E, I, H]``,
+    both biased, the clamped SwiGLU) as the fused grouped GEMMs, reading the parameters in place through their
+    transposed views (no copy of the weights)."""
+    return _kernels().moe_experts(hidden_states, router_indices, routing_weights, self.gate_up_proj.transpose(1, 2),
+                                  self.down_proj.transpose(1, 2), activation="swiglu_clamped",
+                                  gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias,
+                                  alpha=self.alpha, limit=self.limit, gate_up_layout="interleaved")
+
+
 def _stacked_experts(module) -> bool:
     """An experts module in the layout :func:`_experts_forward` reads (what ``@use_experts_implementation`` marks
     as concatenated gate/up, untransposed, without biases)."""
@@ -111,23 +122,26 @@ def _stacked_experts(module) -> bool:
             and not getattr(module, "has_bias", False) and getattr(module, "has_gate", True))
 
 
-def _rope_kernel(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str):
+def _rope_kernel(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str,
+                 pairs: bool = False):
     """HF's ``apply_rotary_pos_emb(q, k, cos, sin)`` on ``q[b, heads, s, d]``, ``k[b, kv_heads, s, d]`` with
-    ``cos, sin[b or 1, s, rotary]`` (both halves equal, as HF builds them, for either layout): the per-token tables
-    become a ``[b·s, rotary/2]`` table indexed by each token's row, and the kernel turns pairs in ``layout``
-    ("half": ``rotate_half``; "interleaved": ``(x[2i], x[2i+1])``)."""
-    rotary = cos.shape[-1]
+    ``cos, sin[b or 1, s, rotary]`` (both halves equal, as HF builds them, for either layout; ``pairs``: ``[b or 1,
+    s, rotary / 2]``, one value per pair, as gpt-oss builds them): the per-token tables become a ``[b·s, rotary/2]``
+    table indexed by each token's row, and the kernel turns pairs in ``layout`` ("half": ``rotate_half``;
+    "interleaved": ``(x[2i], x[2i+1])``)."""
+    rotary = cos.shape[-1] * (2 if pairs else 1)
     if rotary < q.shape[-1]:  # partial rotary (Phi-3, GLM-4): the first features turn, the rest pass through
-        q_rot, k_rot = _rope_kernel(q[..., :rotary], k[..., :rotary], cos, sin, layout)
+        q_rot, k_rot = _rope_kernel(q[..., :rotary], k[..., :rotary], cos, sin, layout, pairs)
         return torch.cat((q_rot, q[..., rotary:]), dim=-1), torch.cat((k_rot, k[..., rotary:]), dim=-1)
     # HF computes cos/sin once per forward and hands the same tensors to every layer: convert them once too
     cached = getattr(_state, "rope_tables", None)
     if cached is None or cached[0] is not cos or cached[1] is not sin:
-        seq, d = cos.shape[-2], cos.shape[-1]
-        cos_rows = cos.reshape(-1, seq, d)
+        seq, d = cos.shape[-2], rotary
+        width = d // 2 if pairs else d
+        cos_rows = cos.reshape(-1, seq, width)
         table_batch = cos_rows.shape[0]
-        cos_table = cos_rows[..., : d // 2].reshape(-1, d // 2).contiguous()
-        sin_table = sin.reshape(-1, seq, d)[..., : d // 2].reshape(-1, d // 2).contiguous()
+        cos_table = cos_rows[..., : d // 2].reshape(-1, d // 2).float().contiguous()
+        sin_table = sin.reshape(-1, seq, width)[..., : d // 2].reshape(-1, d // 2).float().contiguous()
         rows = torch.arange(table_batch * seq, device=q.device).view(table_batch, 1, seq)
         cached = _state.rope_tables = (cos, sin, cos_table, sin_table, rows)
     cos_table, sin_table, rows = cached[2:]
@@ -135,14 +149,14 @@ def _rope_kernel(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     return _kernels().apply_rope(q, k, rows, cos=cos_table, sin=sin_table, check_positions=False, layout=layout)
 
 
-def _rotary_dispatch(module_name: str, layout: str):
+def _rotary_dispatch(module_name: str, layout: str, pairs: bool):
     original = _ORIGINAL_ROTARY[module_name]
 
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         # only inside a patched attention forward, and only for HF's default [b, heads, s, d] layout
         unsqueeze_dim = args[0] if args else kwargs.get("unsqueeze_dim", 1)
         if getattr(_state, "depth", 0) and unsqueeze_dim == 1 and q.dim() == 4:
-            return _rope_kernel(q, k, cos, sin, layout)
+            return _rope_kernel(q, k, cos, sin, layout, pairs)
         return original(q, k, cos, sin, *args, **kwargs)
 
     apply_rotary_pos_emb.tritonlm_dispatch = True
@@ -158,7 +172,7 @@ def _attention_forward(self, *args, **kwargs):
 
 
 def tritonlm_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                       sliding_window=None, softcap=None, **kwargs):
+                       sliding_window=None, softcap=None, s_aux=None, **kwargs):
     """transformers attention function (``AttentionInterface``): ``query[b, heads, s_q, d]``, ``key, value[b,
     kv_heads, s_k, d]`` -> ``([b, s_q, heads, d], None)``. Causal, bottom-right aligned (decoding against a cache
     works as is). Which keys a query sees comes from, in this order:
@@ -169,6 +183,8 @@ def tritonlm_attention(module, query, key, value, attention_mask, dropout: float
     * ``attention_mask`` as :func:`_tritonlm_mask` built it: None (causal), an int ``[b, s_k]`` segment map
       (padding and/or packed documents), or a 4-D mask it could not express, which runs HF's own sdpa attention;
     * ``sliding_window`` (Mistral) on top of either.
+
+    ``s_aux`` (gpt-oss's attention sinks, one logit per query head) goes to the kernel's ``sinks``.
     """
     from ..kernels import flash_attn_func, flash_attn_varlen_func
 
@@ -182,7 +198,8 @@ def tritonlm_attention(module, query, key, value, attention_mask, dropout: float
         # a mask the varlen kernel cannot express (a custom 4-D mask, overlays, static-cache slicing): HF's sdpa
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        if softcap:  # (sdpa has no softcap: the modeling module's own eager attention, as transformers runs it)
+        if softcap or s_aux is not None:
+            # (sdpa has neither a softcap nor sinks: the modeling module's own eager attention, as transformers runs it)
             return _eager_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window,
                                     softcap, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -191,7 +208,7 @@ def tritonlm_attention(module, query, key, value, attention_mask, dropout: float
     batch, n_q, heads, d = q.shape
     n_k = k.shape[1]
     window = (sliding_window - 1, 0) if sliding_window and n_k > sliding_window else (-1, -1)
-    opts = dict(softmax_scale=scaling, causal=True, window_size=window, softcap=softcap or 0.0)
+    opts = dict(softmax_scale=scaling, causal=True, window_size=window, softcap=softcap or 0.0, sinks=s_aux)
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None or cu_k is not None:
         if attention_mask is not None and not getattr(attention_mask, "tritonlm_documents", False):
@@ -225,13 +242,14 @@ def _eager_attention(module, query, key, value, mask, dropout, scaling, sliding_
 
     eager = getattr(importlib.import_module(type(module).__module__), "eager_attention_forward", None)
     if eager is None:
-        raise NotImplementedError(f"tritonlm attention: softcap with a custom mask needs {type(module).__module__}"
-                                  ".eager_attention_forward")
+        raise NotImplementedError(f"tritonlm attention: softcap or sinks with a custom mask need "
+                                  f"{type(module).__module__}.eager_attention_forward")
     if mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
             ~mask, torch.finfo(query.dtype).min)
+    extra = {"softcap": softcap} if softcap else {}  # (gpt-oss's eager attention reads its sinks itself)
     return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, sliding_window=sliding_window,
-                 softcap=softcap, **kwargs)
+                 **extra, **kwargs)
 
 
 def _packing(segments: torch.Tensor, n_q: int):
@@ -420,13 +438,13 @@ def _rotary_module(module):
     return name, modeling
 
 
-def _install_rotary_dispatch(name: str, modeling, layout: str) -> None:
+def _install_rotary_dispatch(name: str, modeling, layout: str, pairs: bool) -> None:
     """Route the modeling module's ``apply_rotary_pos_emb`` through :func:`_rotary_dispatch` (once; it calls the
     original outside patched attention layers, so unpatched models in the process are unaffected)."""
     current = modeling.apply_rotary_pos_emb
     if not getattr(current, "tritonlm_dispatch", False):
         _ORIGINAL_ROTARY[name] = current
-        modeling.apply_rotary_pos_emb = _rotary_dispatch(name, layout)
+        modeling.apply_rotary_pos_emb = _rotary_dispatch(name, layout, pairs)
 
 
 def _patch(module, forward, tag: str) -> None:
@@ -474,6 +492,8 @@ def apply_kernels(model, rms_norm: bool = True, rope: bool = True, swiglu: bool 
             plan.append((module, _NORM_FORWARDS[targets.norms[name]], "rms_norm"))
         elif swiglu and name in targets.mlps:
             plan.append((module, _MLP_FORWARDS[targets.mlps[name]](), "swiglu"))
+        elif moe and name in targets.experts and targets.experts[name] == "transposed_interleaved":
+            plan.append((module, _transposed_experts_forward, "moe"))
         elif moe and name in targets.experts:
             if not _stacked_experts(module):
                 raise NotImplementedError(f"moe=True: {name} does not hold its experts stacked (gate_up_proj [E, 2I, "
@@ -492,7 +512,7 @@ def apply_kernels(model, rms_norm: bool = True, rope: bool = True, swiglu: bool 
         _register_experts()
     # stage 2: patch
     for modeling_name, modeling in rotary.items():
-        _install_rotary_dispatch(modeling_name, modeling, targets.rope_layout)
+        _install_rotary_dispatch(modeling_name, modeling, targets.rope_layout, targets.rope_tables == "pairs")
     for module, forward, tag in plan:
         _patch(module, forward, tag)
     if attention:

@@ -57,5 +57,5 @@ register(Family(
     to_config=_mixtral, to_hf=_mixtral_hf, ignored=("output_router_logits",),
     weights=Weights(expert_block="block_sparse_moe", expert_names=("w1", "w3", "w2")),
     kernels=Kernels(norms={"MixtralRMSNorm": "cast"}, mlps={}, attention=("MixtralAttention",),
-                    experts=("MixtralExperts",)),
+                    experts={"MixtralExperts": "stacked"}),
     tokenizer="SentencePiece BPE", notes="experts per expert or stacked; `router_jitter_noise` refused"))

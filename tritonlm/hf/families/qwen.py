@@ -67,7 +67,7 @@ def _moe_hf(cfg, experts_key: str) -> dict:
 
 def _kernels(prefix: str, moe: bool) -> Kernels:
     return Kernels(norms={f"{prefix}RMSNorm": "cast"}, mlps={f"{prefix}MLP": "swiglu"},
-                   attention=(f"{prefix}Attention",), experts=(f"{prefix}Experts",) if moe else ())
+                   attention=(f"{prefix}Attention",), experts={f"{prefix}Experts": "stacked"} if moe else {})
 
 
 register(Family(
