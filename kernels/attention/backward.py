@@ -59,7 +59,7 @@ def _load_lse_log2(LSE_ROW, offs_m, n_q):
 
 
 @triton.jit
-def _bwd_dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW, offs_n, d_mask,
+def _bwd_dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW, offs_n, d_mask, dv_mask,
                    start_m, n_q, n_k, shift, win_left, win_right, qk_scale, dq_ptrs, stride_dqm, softcap, mask_tile,
                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
                    ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
@@ -69,9 +69,10 @@ def _bwd_dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW
     which only some are on the diagonal (GQA's flattened loop) skips the comparisons on the others."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     row_mask = (offs_m[:, None] < n_q) & d_mask[None, :]
-    # ---- load a query tile, its dO, L and D (padding rows load as zero / +inf)
+    # ---- load a query tile, its dO (V's head dim), L and D (padding rows load as zero / +inf)
     q = tl.load(q_ptrs + offs_m[:, None].to(tl.int64) * stride_qm, mask=row_mask, other=0.0)
-    do = tl.load(do_ptrs + offs_m[:, None].to(tl.int64) * stride_dom, mask=row_mask, other=0.0)
+    do = tl.load(do_ptrs + offs_m[:, None].to(tl.int64) * stride_dom, mask=(offs_m[:, None] < n_q) & dv_mask[None, :],
+                 other=0.0)
     lse = _load_lse_log2(LSE_ROW, offs_m, n_q)
     delta = tl.load(DELTA_ROW + offs_m, mask=offs_m < n_q, other=0.0)
     # ---- recompute Pᵀ = exp(Sᵀ - L): [BLOCK_N keys, BLOCK_M queries]
@@ -102,14 +103,14 @@ def _bwd_dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW
 
 @triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW,
-                    offs_n, d_mask, q_start, q_end, n_q, n_k, shift, win_left, win_right, qk_scale, dq_ptrs,
+                    offs_n, d_mask, dv_mask, q_start, q_end, n_q, n_k, shift, win_left, win_right, qk_scale, dq_ptrs,
                     stride_dqm, softcap, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                     BLOCK_M: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
                     SOFTCAP: tl.constexpr):
     """Fold query tiles ``[q_start, q_end)`` of one query head into dK, dV."""
     for start_m in range(q_start, q_end, BLOCK_M):
         dk, dv = _bwd_dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW, offs_n,
-                                d_mask, start_m, n_q, n_k, shift, win_left, win_right, qk_scale, dq_ptrs, stride_dqm,
+                                d_mask, dv_mask, start_m, n_q, n_k, shift, win_left, win_right, qk_scale, dq_ptrs, stride_dqm,
                                 softcap, True, MASKED=MASKED, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_M=BLOCK_M,
                                 ATOMIC_DQ=ATOMIC_DQ, DOT_PRECISION=DOT_PRECISION, SOFTCAP=SOFTCAP)
     return dk, dv
@@ -122,10 +123,10 @@ def _bwd_dkdv_kernel(
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lb, stride_lh,
     stride_dqb, stride_dqh, stride_dqm,
-    n_kv_heads, group, bh_start, n_q, n_k, d_head, qk_scale, sm_scale, win_left, win_right, softcap,
+    n_kv_heads, group, bh_start, n_q, n_k, d_head, d_v, qk_scale, sm_scale, win_left, win_right, softcap,
     GQA: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr,
 ):
     # ATOMIC_DQ: DQ is an fp32 [b, h, n_q, d] buffer that every key tile adds its dS K share into
     # grid axis 1 walks (batch, kv head) pairs; the group's query heads are summed in a fixed order below
@@ -138,15 +139,21 @@ def _bwd_dkdv_kernel(
     if EVEN_D:  # the head dim fills the tile: an all-true constant, so every mask below is rows only
         d_mask = tl.full([BLOCK_D], 1, tl.int1)
     kv_mask = (offs_n[:, None] < n_k) & d_mask[None, :]
+    # V, dO, dV: their own head dim (MLA), the same as K's otherwise
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_mask = offs_dv < d_v
+    if EVEN_DV:
+        dv_mask = tl.full([BLOCK_DV], 1, tl.int1)
+    v_mask = (offs_n[:, None] < n_k) & dv_mask[None, :]
     rows_n = (k_start + offs_n)[:, None].to(tl.int64)
 
     # ---- this program's key/value tile stays in registers
     k = tl.load(K + b * stride_kb + h_kv * stride_kh + rows_n * stride_kn + offs_d[None, :], mask=kv_mask,
                 other=0.0)
-    v = tl.load(V + b * stride_vb + h_kv * stride_vh + rows_n * stride_vn + offs_d[None, :], mask=kv_mask,
+    v = tl.load(V + b * stride_vb + h_kv * stride_vh + rows_n * stride_vn + offs_dv[None, :], mask=v_mask,
                 other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
     shift = n_k - n_q
     q_lo, full_lo, full_hi, q_hi = _query_ranges(start_n, n_q, n_k, win_left, win_right, BLOCK_M, BLOCK_N)
@@ -163,35 +170,35 @@ def _bwd_dkdv_kernel(
             start_m = q_lo + (it % tiles) * BLOCK_M
             row_lse = b * stride_lb + h * stride_lh + q_start
             q_ptrs = Q + b * stride_qb + h * stride_qh + q_start * stride_qm + offs_d[None, :]
-            do_ptrs = DO + b * stride_dob + h * stride_doh + q_start * stride_dom + offs_d[None, :]
+            do_ptrs = DO + b * stride_dob + h * stride_doh + q_start * stride_dom + offs_dv[None, :]
             dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + q_start * stride_dqm + offs_d[None, :]
             # only the tiles on the diagonal (or a window's edges) compare indices
             on_edge = (start_m < full_lo) | (start_m >= full_hi)
             dk, dv = _bwd_dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE + row_lse,
-                                    DELTA + row_lse, offs_n, d_mask, start_m, n_q, n_k, shift, win_left, win_right,
+                                    DELTA + row_lse, offs_n, d_mask, dv_mask, start_m, n_q, n_k, shift, win_left, win_right,
                                     qk_scale, dq_ptrs, stride_dqm, softcap, on_edge, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW,
                                     BLOCK_M=BLOCK_M, ATOMIC_DQ=ATOMIC_DQ, DOT_PRECISION=DOT_PRECISION, SOFTCAP=SOFTCAP)
     else:
         # ---- one query head: masked head range, unmasked middle, masked tail
         h = h_kv
         q_ptrs = Q + b * stride_qb + h * stride_qh + q_start * stride_qm + offs_d[None, :]
-        do_ptrs = DO + b * stride_dob + h * stride_doh + q_start * stride_dom + offs_d[None, :]
+        do_ptrs = DO + b * stride_dob + h * stride_doh + q_start * stride_dom + offs_dv[None, :]
         LSE_ROW = LSE + b * stride_lb + h * stride_lh + q_start  # this query head's row of L (and of D below)
         DELTA_ROW = DELTA + b * stride_lb + h * stride_lh + q_start
         dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + q_start * stride_dqm + offs_d[None, :]
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW,
-                                 offs_n, d_mask, q_lo, full_lo, n_q, n_k, shift, win_left, win_right,
+                                 offs_n, d_mask, dv_mask, q_lo, full_lo, n_q, n_k, shift, win_left, win_right,
                                  qk_scale, dq_ptrs, stride_dqm, softcap, MASKED=True, CAUSAL=CAUSAL,
                                  WINDOW=WINDOW, BLOCK_M=BLOCK_M, ATOMIC_DQ=ATOMIC_DQ, DOT_PRECISION=DOT_PRECISION,
                                  SOFTCAP=SOFTCAP)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW,
-                                 offs_n, d_mask, full_lo, full_hi, n_q, n_k, shift, win_left, win_right,
+                                 offs_n, d_mask, dv_mask, full_lo, full_hi, n_q, n_k, shift, win_left, win_right,
                                  qk_scale, dq_ptrs, stride_dqm, softcap, MASKED=False, CAUSAL=CAUSAL,
                                  WINDOW=WINDOW, BLOCK_M=BLOCK_M, ATOMIC_DQ=ATOMIC_DQ, DOT_PRECISION=DOT_PRECISION,
                                  SOFTCAP=SOFTCAP)
         if WINDOW:
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, stride_qm, stride_dom, LSE_ROW, DELTA_ROW,
-                                     offs_n, d_mask, full_hi, q_hi, n_q, n_k, shift, win_left, win_right,
+                                     offs_n, d_mask, dv_mask, full_hi, q_hi, n_q, n_k, shift, win_left, win_right,
                                      qk_scale, dq_ptrs, stride_dqm, softcap, MASKED=True, CAUSAL=CAUSAL,
                                      WINDOW=WINDOW, BLOCK_M=BLOCK_M, ATOMIC_DQ=ATOMIC_DQ, DOT_PRECISION=DOT_PRECISION,
                                      SOFTCAP=SOFTCAP)
@@ -200,21 +207,22 @@ def _bwd_dkdv_kernel(
     dk = dk * sm_scale
     tl.store(DK + b * stride_dkb + h_kv * stride_dkh + rows_n * stride_dkn + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + b * stride_dvb + h_kv * stride_dvh + rows_n * stride_dvn + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + b * stride_dvb + h_kv * stride_dvh + rows_n * stride_dvn + offs_dv[None, :],
+             dv.to(DV.dtype.element_ty), mask=v_mask)
 
 
 @triton.jit
-def _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask,
+def _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask, dv_mask,
                   k_start, k_end, n_k, shift, win_left, win_right, qk_scale, softcap,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
-                  EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
+                  EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, EVEN_DV: tl.constexpr):
     """Fold key tiles ``[k_start, k_end)`` into dQ; padding keys load as zero and add nothing."""
     for start_n in range(k_start, k_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         # ---- load a key/value tile (padding keys load as zero and contribute nothing to dQ)
         k, v = _load_kv(k_ptrs + offs_n[:, None].to(tl.int64) * stride_kn,
-                        v_ptrs + offs_n[:, None].to(tl.int64) * stride_vn, offs_n, n_k, d_mask, MASKED, EVEN_D)
+                        v_ptrs + offs_n[:, None].to(tl.int64) * stride_vn, offs_n, n_k, d_mask, dv_mask, MASKED,
+                        EVEN_D, EVEN_DV)
         # ---- P = exp(S - L), dP = dO Vᵀ, dS = P (dP - D), dQ += dS K
         s, tanh_s = _scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale, softcap, SOFTCAP)
         p = tl.math.exp2(s - lse[:, None])
@@ -234,10 +242,10 @@ def _bwd_dq_kernel(
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
     stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh,
-    n_heads, group, bh_start, n_q, n_k, d_head, qk_scale, sm_scale, win_left, win_right, softcap,
+    n_heads, group, bh_start, n_q, n_k, d_head, d_v, qk_scale, sm_scale, win_left, win_right, softcap,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr,
 ):
     b, h, q_start, n_q, k_start, n_k = _sequence(tl.program_id(1) + bh_start, n_heads, CU_Q, CU_K, n_q, n_k, VARLEN)
     start_m = _query_tile_start(tl.program_id(0), n_q, CAUSAL, BLOCK_M)
@@ -249,34 +257,38 @@ def _bwd_dq_kernel(
         d_mask = tl.full([BLOCK_D], 1, tl.int1)
     row_valid = (offs_m >= 0) & (offs_m < n_q)
     q_mask = row_valid[:, None] & d_mask[None, :]
+    offs_dv = tl.arange(0, BLOCK_DV)  # dO and V: their own head dim (MLA)
+    dv_mask = offs_dv < d_v
+    if EVEN_DV:
+        dv_mask = tl.full([BLOCK_DV], 1, tl.int1)
     rows_m = (q_start + offs_m)[:, None].to(tl.int64)
 
     # ---- this program's query tile, dO, L and D stay in registers
     q = tl.load(Q + b * stride_qb + h * stride_qh + rows_m * stride_qm + offs_d[None, :], mask=q_mask, other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + rows_m * stride_dom + offs_d[None, :], mask=q_mask,
-                 other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + rows_m * stride_dom + offs_dv[None, :],
+                 mask=row_valid[:, None] & dv_mask[None, :], other=0.0)
     row_lse = b * stride_lb + h * stride_lh + q_start
     lse = _load_lse_log2(LSE + row_lse, offs_m, n_q)
     delta = tl.load(DELTA + row_lse + offs_m, mask=row_valid, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     k_ptrs = K + b * stride_kb + h_kv * stride_kh + k_start * stride_kn + offs_d[None, :]
-    v_ptrs = V + b * stride_vb + h_kv * stride_vh + k_start * stride_vn + offs_d[None, :]
+    v_ptrs = V + b * stride_vb + h_kv * stride_vh + k_start * stride_vn + offs_dv[None, :]
 
     shift = n_k - n_q
     key_lo, full_lo, full_hi, key_hi = _key_ranges(start_m, n_q, n_k, win_left, win_right, BLOCK_M, BLOCK_N)
     if WINDOW:
-        dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask,
+        dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask, dv_mask,
                            key_lo, full_lo, n_k, shift, win_left, win_right, qk_scale, softcap, MASKED=True,
                            CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
-                           DOT_PRECISION=DOT_PRECISION, SOFTCAP=SOFTCAP)
-    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask,
+                           DOT_PRECISION=DOT_PRECISION, SOFTCAP=SOFTCAP, EVEN_DV=EVEN_DV)
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask, dv_mask,
                        full_lo, full_hi, n_k, shift, win_left, win_right, qk_scale, softcap, MASKED=False,
                        CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
-                       SOFTCAP=SOFTCAP)
-    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask,
+                       SOFTCAP=SOFTCAP, EVEN_DV=EVEN_DV)
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, d_mask, dv_mask,
                        full_hi, key_hi, n_k, shift, win_left, win_right, qk_scale, softcap, MASKED=True,
                        CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
-                       SOFTCAP=SOFTCAP)
+                       SOFTCAP=SOFTCAP, EVEN_DV=EVEN_DV)
 
     dq = dq * sm_scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + rows_m * stride_dqm + offs_d[None, :],

@@ -45,8 +45,10 @@ def split_kv_forward(args, o4, lse, lse_strides, splits, h, group, n_q, n_k, d, 
     size); ``config`` the split kernel's ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (the launcher's tuned
     ``-decode`` key; :data:`DECODE_CONFIG` when not given); ``sinks``: fp32 ``[heads]`` sink logits, folded in by
     the combine. ``h``: the query heads, or with ``common["PACK_GQA"]`` the kv heads (a program's tile then holds
-    the ``group x n_q`` queries of one kv head's group)."""
+    the ``group x n_q`` queries of one kv head's group). ``d`` is the query / key head dim; the values' (and the
+    output's) is ``o4``'s last (MLA: its own)."""
     b_h = o4.shape[0] * h
+    d_v = o4.shape[-1]
     block_m, block_n, warps, stages = config or (DECODE_CONFIG if on_gpu(device) else DECODE_INTERPRETER_CONFIG)
     pack = common["PACK_GQA"]
     # the one query tile holds every query (of the group, packed): at least those rows, and tl.dot's 16
@@ -55,14 +57,14 @@ def split_kv_forward(args, o4, lse, lse_strides, splits, h, group, n_q, n_k, d, 
     # every split but the last covers a whole number of key tiles
     split_size = triton.cdiv(triton.cdiv(n_k, splits), block_n) * block_n
     splits = triton.cdiv(n_k, split_size)
-    o_part = torch.empty(splits, b_h, block_m, _block_d(d), dtype=torch.float32, device=device)
+    o_part = torch.empty(splits, b_h, block_m, _block_d(d_v), dtype=torch.float32, device=device)
     lse_part = torch.empty(splits, b_h, block_m, dtype=torch.float32, device=device)
     _fwd_kernel[(splits, b_h)](
-        *args(o_part, lse_part, (0, 0, 0), (0, 0)), h, group, 0, n_q, n_k, d, qk_scale,
+        *args(o_part, lse_part, (0, 0, 0), (0, 0)), h, group, 0, n_q, n_k, d, d_v, qk_scale,
         win_left, win_right, split_size, *tail, SPLIT_KV=True, BLOCK_M=block_m, BLOCK_N=block_n, **common,
         num_warps=warps, num_stages=stages)
     _split_combine_kernel[(b_h,)](o_part, lse_part, o4, lse, sinks if sinks is not None else lse, *_strides3(o4),
-                                  *lse_strides, h, group, splits, b_h, n_q, d, BLOCK_M=block_m, BLOCK_D=_block_d(d),
+                                  *lse_strides, h, group, splits, b_h, n_q, d_v, BLOCK_M=block_m, BLOCK_D=_block_d(d_v),
                                   PACK_GQA=pack, HAS_SINKS=sinks is not None, num_warps=4)
 
 

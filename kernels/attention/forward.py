@@ -28,11 +28,11 @@ from .tiles import (
 
 
 @triton.jit
-def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
+def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask, dv_mask,
                key_start, key_end, n_k, shift, win_left, win_right, qk_scale, bt_row, page_size, softcap,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
                EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGED: tl.constexpr, SOFTCAP: tl.constexpr,
-               FOLD_SCALE: tl.constexpr):
+               FOLD_SCALE: tl.constexpr, EVEN_DV: tl.constexpr):
     """Fold key tiles ``[key_start, key_end)`` into the running (acc, m_i, l_i). ``FOLD_SCALE`` (never with
     ``SOFTCAP``): the scale is applied in the exponent's FMA (:func:`_online_softmax_step`)."""
     # the tile's first row advances by BLOCK_N rows per step (64-bit, one row of pointers); rows within a tile are
@@ -48,7 +48,7 @@ def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, o
         else:
             rows = keys
         k, v = _load_kv(k_ptrs + rows[:, None].to(tl.int64) * stride_kn, v_ptrs + rows[:, None].to(tl.int64) * stride_vn,
-                        keys, n_k, d_mask, MASKED, EVEN_D)
+                        keys, n_k, d_mask, dv_mask, MASKED, EVEN_D, EVEN_DV)
         # ---- raw products q·kᵀ: the scale is applied inside the softmax step's exponent (one FMA per score);
         # folding it into Q instead measured worse in the SASS report (sm_90 d 128: 197 -> 235 registers, as Q
         # then feeds the wgmma from registers). With SOFTCAP: the tanh-capped scores, already in log2 units.
@@ -105,15 +105,17 @@ def _fwd_kernel(
     Q, K, V, O, LSE, CU_Q, CU_K, SEQLEN_K, KV_BATCH, BLOCK_TABLE, SINKS,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
-    n_heads, group, bh_start, n_q, n_k, d_head, qk_scale, win_left, win_right, split_size, stride_bt, page_size,
+    n_heads, group, bh_start, n_q, n_k, d_head, d_v, qk_scale, win_left, win_right, split_size, stride_bt, page_size,
     softcap,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, SPLIT_KV: tl.constexpr,
     SEQUSED_K: tl.constexpr, PAGED: tl.constexpr, LEFTPAD: tl.constexpr, SOFTCAP: tl.constexpr,
     PACK_GQA: tl.constexpr, FOLD_SCALE: tl.constexpr, HAS_SINKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr,
 ):
     # EVEN_D: the head dim fills BLOCK_D, so whole K/V tiles load without a mask
+    # BLOCK_DV / EVEN_DV / d_v: V's (and O's) head dim, apart from Q / K's (MLA: d_qk 192, d_v 128); the same as
+    # theirs otherwise, which compiles to the same kernel
     # SPLIT_KV (decoding): grid axis 0 is the key split, not the query tile; the one query tile holds every query
     # and the program writes an unnormalised partial result (acc / l, and its lse) for the combine kernel
     # SEQUSED_K (a KV cache, flash_attn_with_kvcache): each sequence has its own key count SEQLEN_K[b] and its keys
@@ -163,17 +165,22 @@ def _fwd_kernel(
     if EVEN_D:  # the head dim fills the tile: an all-true constant, so every mask below is rows only
         d_mask = tl.full([BLOCK_D], 1, tl.int1)
     q_mask = row_valid[:, None] & d_mask[None, :]
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_mask = offs_dv < d_v
+    if EVEN_DV:
+        dv_mask = tl.full([BLOCK_DV], 1, tl.int1)
+    o_mask = row_valid[:, None] & dv_mask[None, :]
     rows = (q_start + offs_m).to(tl.int64)
 
     # ---- load the query tile once (h: this program's head, or each row's with PACK_GQA)
     q_rows = Q + b * stride_qb + h * stride_qh + rows * stride_qm
     q = tl.load(q_rows[:, None] + offs_d[None, :], mask=q_mask, other=0.0)
     k_ptrs = K + b_kv * stride_kb + h_kv * stride_kh + k_start * stride_kn + offs_d[None, :]
-    v_ptrs = V + b_kv * stride_vb + h_kv * stride_vh + k_start * stride_vn + offs_d[None, :]
+    v_ptrs = V + b_kv * stride_vb + h_kv * stride_vh + k_start * stride_vn + offs_dv[None, :]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     # ---- key ranges: masked head, unmasked middle, masked tail (window / diagonal / ragged edge)
     shift = n_k - n_q
@@ -188,20 +195,20 @@ def _fwd_kernel(
         full_hi = tl.maximum(tl.minimum(full_hi, key_hi), full_lo)
     if WINDOW or SPLIT_KV:  # (without a left bound, or a split start, the masked head range is empty)
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
-                                   key_lo, full_lo, n_k, shift, win_left, win_right, qk_scale, bt_row, page_size,
-                                   softcap, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
-                                   DOT_PRECISION=DOT_PRECISION, PAGED=PAGED, SOFTCAP=SOFTCAP,
-                                   FOLD_SCALE=FOLD_SCALE)
+                                   dv_mask, key_lo, full_lo, n_k, shift, win_left, win_right, qk_scale, bt_row,
+                                   page_size, softcap, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N,
+                                   EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION, PAGED=PAGED, SOFTCAP=SOFTCAP,
+                                   FOLD_SCALE=FOLD_SCALE, EVEN_DV=EVEN_DV)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
-                               full_lo, full_hi, n_k, shift, win_left, win_right, qk_scale, bt_row, page_size,
-                               softcap, MASKED=False, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
-                               DOT_PRECISION=DOT_PRECISION, PAGED=PAGED, SOFTCAP=SOFTCAP,
-                                   FOLD_SCALE=FOLD_SCALE)
+                               dv_mask, full_lo, full_hi, n_k, shift, win_left, win_right, qk_scale, bt_row,
+                               page_size, softcap, MASKED=False, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N,
+                               EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION, PAGED=PAGED, SOFTCAP=SOFTCAP,
+                               FOLD_SCALE=FOLD_SCALE, EVEN_DV=EVEN_DV)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
-                               full_hi, key_hi, n_k, shift, win_left, win_right, qk_scale, bt_row, page_size,
-                               softcap, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
-                               DOT_PRECISION=DOT_PRECISION, PAGED=PAGED, SOFTCAP=SOFTCAP,
-                                   FOLD_SCALE=FOLD_SCALE)
+                               dv_mask, full_hi, key_hi, n_k, shift, win_left, win_right, qk_scale, bt_row,
+                               page_size, softcap, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N,
+                               EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION, PAGED=PAGED, SOFTCAP=SOFTCAP,
+                               FOLD_SCALE=FOLD_SCALE, EVEN_DV=EVEN_DV)
 
     # ---- epilogue: the sink (once, after every key), then normalise; rows without a visible key give 0 and
     # L = -inf (with a sink: L = the sink)
@@ -214,11 +221,11 @@ def _fwd_kernel(
     if SPLIT_KV:
         # partials: O[split, b*h, row, d] fp32 and LSE[split, b*h, row], combined by _split_combine_kernel
         part = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * BLOCK_M
-        tl.store(O + (part + tl.arange(0, BLOCK_M))[:, None] * BLOCK_D + offs_d[None, :], out)
+        tl.store(O + (part + tl.arange(0, BLOCK_M))[:, None] * BLOCK_DV + offs_dv[None, :], out)
         tl.store(LSE + part + tl.arange(0, BLOCK_M), lse)
     else:
         o_rows = O + b * stride_ob + h * stride_oh + rows * stride_om
-        tl.store(o_rows[:, None] + offs_d[None, :], out.to(O.dtype.element_ty), mask=q_mask)
+        tl.store(o_rows[:, None] + offs_dv[None, :], out.to(O.dtype.element_ty), mask=o_mask)
         tl.store(LSE + b * stride_lb + h * stride_lh + q_start + offs_m, lse, mask=row_valid)
 
 

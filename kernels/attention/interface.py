@@ -48,8 +48,9 @@ def _check_window(op: str, window_size) -> tuple[int, int]:
 
 
 def _check_heads(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if k.shape[-2] != v.shape[-2] or k.shape[-1] != v.shape[-1]:
-        raise ValueError(f"{op}: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same heads and head dim")
+    if k.shape[-2] != v.shape[-2]:
+        # (v's head dim may differ from q/k's: MLA; the output has v's)
+        raise ValueError(f"{op}: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same heads")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"{op}: head dims differ: q {q.shape[-1]}, k {k.shape[-1]}")
     if k.shape[-2] == 0 or q.shape[-2] % k.shape[-2]:
@@ -112,7 +113,7 @@ def _paged_varlen(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
     from .launch import check_sinks, flash_attention_forward
 
-    if q.dim() != 3 or k.dim() != 4 or k.shape != v.shape:
+    if q.dim() != 3 or k.dim() != 4 or k.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"{op}: with block_table, q must be [total_q, heads, d] and k, v a pool [num_blocks, "
                          f"page_size, kv_heads, d]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     _check_heads(op, q, k[0], v[0])
@@ -137,7 +138,8 @@ def _paged_varlen(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     if sinks is not None:
         check_sinks(op, sinks, q.shape[1], q.device)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
-    out, _ = flash_attention_forward(q, k.view(-1, kv_heads, d), v.view(-1, kv_heads, d), bool(causal), scale, window,
+    out, _ = flash_attention_forward(q, k.view(-1, kv_heads, d), v.view(-1, kv_heads, v.shape[3]), bool(causal), scale,
+                                     window,
                                      cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                      block_table=block_table, page_size=page_size, softcap=float(softcap), sinks=sinks)
     return out

@@ -77,7 +77,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     check_device(op, q, k_cache, v_cache)
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise TypeError(f"{op}: q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if k_cache.shape != v_cache.shape:
+    if k_cache.shape[:-1] != v_cache.shape[:-1]:
+        # (v_cache's head dim may differ from k_cache's: MLA; the output has v's)
         raise ValueError(f"{op}: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
     batch, seqlen_q, heads, d = q.shape
     kv_heads = k_cache.shape[2]
@@ -130,9 +131,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if (k is None) != (v is None):
         raise ValueError(f"{op}: give both k and v, or neither")
     if k is not None:
-        if k.shape != v.shape or k.dim() != 4 or k.shape[0] != batch or k.shape[2:] != (kv_heads, d):
-            raise ValueError(f"{op}: k and v must be [{batch}, seqlen_new, {kv_heads}, {d}], got {tuple(k.shape)} and "
-                             f"{tuple(v.shape)}")
+        d_v = v_cache.shape[3]
+        if (k.dim() != 4 or v.dim() != 4 or k.shape[0] != batch or k.shape[2:] != (kv_heads, d)
+                or v.shape != (*k.shape[:3], d_v)):
+            raise ValueError(f"{op}: k and v must be [{batch}, seqlen_new, {kv_heads}, {d}] and [..., {d_v}], got "
+                             f"{tuple(k.shape)} and {tuple(v.shape)}")
         if k.dtype != q.dtype:
             raise TypeError(f"{op}: k is {k.dtype} but q is {q.dtype}")
         new = k.shape[1]
@@ -162,7 +165,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         check_sinks(op, sinks, heads, q.device)
     if paged:  # the pool as one long sequence of rows: block b, row r is row b * page_size + r
         k4 = k_cache.view(1, -1, kv_heads, d).transpose(1, 2)
-        v4 = v_cache.view(1, -1, kv_heads, d).transpose(1, 2)
+        v4 = v_cache.view(1, -1, kv_heads, v_cache.shape[3]).transpose(1, 2)
     else:
         k4, v4 = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     out, lse = flash_attention_forward(q.transpose(1, 2), k4, v4, bool(causal), scale, window, seqused_k=total,

@@ -71,6 +71,10 @@ BWD_CONFIGS = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 2), 128: 
 #: Ampere (sm_80) overrides: at d 64 the 64x64 backward tiles need all 255 registers and spill a little
 #: there (16-40 bytes of stack); 32-query tiles are spill-free (sm_90 keeps 64 rows for wgmma).
 BWD_CONFIGS_SM80 = {64: (32, 64, 4, 2)}
+#: MLA (V's head dim apart from Q/K's: DeepSeek-V3's d_qk 192 = 128 + 64 rotary, padded to 256, d_v 128), keyed by
+#: the padded (d_qk, d_v): see the SASS report's attention.mla_* rows for the evidence.
+MLA_FWD_CONFIGS = {(256, 128): (128, 64, 8, 2)}
+MLA_BWD_CONFIGS = {(256, 128): (64, 32, 8, 2)}
 #: The interpreter runs whole tiles as numpy ops: larger tiles are fewer, faster steps.
 INTERPRETER_CONFIG = (32, 32, 4, 1)
 #: GQA packing (few queries): at most this many rows (group x queries) in the one query tile of a kv head's group.
@@ -83,19 +87,22 @@ _CONFIG_FIELDS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 VARIANTS = ("gqa", "varlen", "window", "softcap", "atomic", "decode")
 
 
-def config_key(d: int, dtype: torch.dtype, variant: tuple[str, ...] = ()) -> str:
+def config_key(d: int, dtype: torch.dtype, variant: tuple[str, ...] = (), d_v: int | None = None) -> str:
     """The tuned-table key of a launch: ``"bf16-d128"`` for the plain kernel, ``"bf16-d128-gqa-window"`` for a
-    variant (its names in :data:`VARIANTS` order). The sweep times and keys every variant separately."""
+    variant (its names in :data:`VARIANTS` order), ``"bf16-d256v128"`` when V's padded head dim differs from Q/K's
+    (MLA). The sweep times and keys every variant separately."""
     unknown = set(variant) - set(VARIANTS)
     if unknown:
         raise ValueError(f"attention config key: unknown variant(s) {sorted(unknown)} (known: {VARIANTS})")
-    return "-".join((tuned.dtype_name(dtype), f"d{_block_d(d)}", *(v for v in VARIANTS if v in variant)))
+    dims = f"d{_block_d(d)}" + (f"v{_block_d(d_v)}" if d_v is not None and _block_d(d_v) != _block_d(d) else "")
+    return "-".join((tuned.dtype_name(dtype), dims, *(v for v in VARIANTS if v in variant)))
 
 
-def parse_key(key: str) -> tuple[int, tuple[str, ...]]:
-    """``(padded head dim, variant)`` of a :func:`config_key` (the sweep's view of a key)."""
+def parse_key(key: str) -> tuple[int, tuple[str, ...], int]:
+    """``(padded head dim, variant, padded value head dim)`` of a :func:`config_key` (the sweep's view of a key)."""
     parts = key.split("-")
-    return int(parts[1][1:]), tuple(parts[2:])
+    d, _, d_v = parts[1][1:].partition("v")
+    return int(d), tuple(parts[2:]), int(d_v or d)
 
 
 def _variant(gqa: bool = False, varlen: bool = False, window: bool = False, softcap: bool = False,
@@ -105,18 +112,20 @@ def _variant(gqa: bool = False, varlen: bool = False, window: bool = False, soft
 
 
 def _tuned(kernel: str, d: int, dtype: torch.dtype, device: torch.device, shipped: tuple,
-           variant: tuple[str, ...] = ()) -> tuple[int, int, int, int]:
+           variant: tuple[str, ...] = (), d_v: int | None = None) -> tuple[int, int, int, int]:
     """The shipped ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``, unless a tuned table (``kernels/tuned``, from a
-    GPU run of the suite's sweep) or a sweep override has an entry for this GPU, dtype, head dim and variant."""
-    cfg = tuned.choose(kernel, config_key(d, dtype, variant), device, dict(zip(_CONFIG_FIELDS, shipped)))
+    GPU run of the suite's sweep) or a sweep override has an entry for this GPU, dtype, head dims and variant."""
+    cfg = tuned.choose(kernel, config_key(d, dtype, variant, d_v), device, dict(zip(_CONFIG_FIELDS, shipped)))
     return tuple(cfg[f] for f in _CONFIG_FIELDS)
 
 
-def _fold_scale(d: int, dtype: torch.dtype, device: torch.device, variant: tuple[str, ...] = ()) -> bool:
+def _fold_scale(d: int, dtype: torch.dtype, device: torch.device, variant: tuple[str, ...] = (),
+                d_v: int | None = None) -> bool:
     """Whether the forward applies the softmax scale in the exponent's FMA (``FOLD_SCALE``): shipped on, as the
     SASS report shows fewer FP instructions with no spills or occupancy change (sm_90 bf16 d 128: FMUL + FADD
     506 -> 414 static, FFMA 60 -> 92, 195 -> 197 registers); a tuned entry ``"FOLD_SCALE": 0`` turns it off."""
-    return bool(tuned.choose("attention_fwd", config_key(d, dtype, variant), device, {"FOLD_SCALE": 1})["FOLD_SCALE"])
+    key = config_key(d, dtype, variant, d_v)
+    return bool(tuned.choose("attention_fwd", key, device, {"FOLD_SCALE": 1})["FOLD_SCALE"])
 
 
 def _tma_selected(d: int, dtype: torch.dtype, device: torch.device, kernel: str = "attention_fwd",
@@ -143,40 +152,53 @@ def _descriptor(t4: torch.Tensor, rows: int, block_d: int) -> TensorDescriptor:
 
 
 def _fwd_config(d: int, dtype: torch.dtype, device: torch.device,
-                variant: tuple[str, ...] = ()) -> tuple[int, int, int, int]:
+                variant: tuple[str, ...] = (), d_v: int | None = None) -> tuple[int, int, int, int]:
     """Forward tiles of a variant (:data:`VARIANTS`): the shipped table with its per-variant adjustments, then a
-    tuned entry for exactly this key, which replaces them."""
+    tuned entry for exactly this key, which replaces them. ``d_v``: V's head dim where it differs (MLA)."""
     if not on_gpu(device):
-        return _tuned("attention_fwd", d, dtype, device, INTERPRETER_CONFIG, variant)
-    block_m, block_n, warps, stages = FWD_CONFIGS[_block_d(d)]
+        return _tuned("attention_fwd", d, dtype, device, INTERPRETER_CONFIG, variant, d_v)
+    mla = _mla_dims(d, d_v)
+    block_m, block_n, warps, stages = MLA_FWD_CONFIGS.get(mla, FWD_CONFIGS[_block_d(d)])
     if dtype == torch.float32:
         if _dot_precision(dtype)["DOT_PRECISION"] == "ieee":
             # IEEE fp32 dots run on FMA units, not tensor cores: smaller tiles (SASS report rows)
             return _tuned("attention_fwd", d, dtype, device, IEEE_FWD_CONFIGS.get(_block_d(d), (16, 32, 4, 2)),
-                          variant)
+                          variant, d_v)
         block_n = max(16, block_n // 2)
     if ("varlen" in variant or "window" in variant) and gpu_capability(device) < 90 and d > 64:
         # sm_80 at d 128: the packed / windowed forward's extra range bookkeeping spills with 64-key tiles
         # (40 / 16 bytes in the SASS report); 32-key tiles are spill-free
         block_n = min(block_n, 32)
-    return _tuned("attention_fwd", d, dtype, device, (block_m, block_n, warps, stages), variant)
+    return _tuned("attention_fwd", d, dtype, device, (block_m, block_n, warps, stages), variant, d_v)
 
 
-def _bwd_shipped(d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
+def _mla_dims(d: int, d_v: int | None) -> tuple[int, int] | None:
+    """``(padded d_qk, padded d_v)`` when V's padded head dim differs from Q/K's (MLA's own tile tables), else None."""
+    if d_v is None or _block_d(d_v) == _block_d(d):
+        return None
+    return _block_d(d), _block_d(d_v)
+
+
+def _bwd_shipped(d: int, dtype: torch.dtype, device: torch.device,
+                 d_v: int | None = None) -> tuple[int, int, int, int]:
     table = BWD_CONFIGS_SM80 if gpu_capability(device) < 90 else {}
-    block_m, block_n, warps, stages = table.get(_block_d(d), BWD_CONFIGS[_block_d(d)])
+    mla = _mla_dims(d, d_v)
+    if mla:
+        block_m, block_n, warps, stages = MLA_BWD_CONFIGS.get(mla, BWD_CONFIGS[mla[0]])
+    else:
+        block_m, block_n, warps, stages = table.get(_block_d(d), BWD_CONFIGS[_block_d(d)])
     if dtype == torch.float32:
         block_m, block_n = max(16, block_m // 2), max(16, block_n // 2)
     return block_m, block_n, warps, stages
 
 
 def _bwd_config(d: int, dtype: torch.dtype, device: torch.device,
-                variant: tuple[str, ...] = ()) -> tuple[int, int, int, int]:
+                variant: tuple[str, ...] = (), d_v: int | None = None) -> tuple[int, int, int, int]:
     """Tiles of the dK/dV kernel (``BLOCK_N`` keys held, ``BLOCK_M`` queries a step) for a variant; ``"atomic"``
     is the 5-matmul backward, whose dK/dV kernel also adds dS K into the fp32 dQ buffer."""
     if not on_gpu(device):
-        return _tuned("attention_bwd", d, dtype, device, INTERPRETER_CONFIG, variant)
-    block_m, block_n, warps, stages = _bwd_shipped(d, dtype, device)
+        return _tuned("attention_bwd", d, dtype, device, INTERPRETER_CONFIG, variant, d_v)
+    block_m, block_n, warps, stages = _bwd_shipped(d, dtype, device, d_v)
     if "atomic" in variant and _block_d(d) >= 128:
         # the atomic variant holds a dQ tile besides dK/dV: 64-query tiles at 8 warps spill at d 128 (80 B on
         # sm_90); 32-query tiles do not (but run on mma, not wgmma: the sweep's 64-row candidates are the
@@ -186,16 +208,16 @@ def _bwd_config(d: int, dtype: torch.dtype, device: torch.device,
         # the softcap's tanh tile on top of 64-query tiles spills on sm_90 at d 128 (64 B, 255 registers);
         # 32-query tiles in the dK/dV kernel are spill-free on wgmma (203 registers; SASS report softcap rows)
         block_m = min(block_m, 32)
-    return _tuned("attention_bwd", d, dtype, device, (block_m, block_n, warps, stages), variant)
+    return _tuned("attention_bwd", d, dtype, device, (block_m, block_n, warps, stages), variant, d_v)
 
 
 def _bwd_dq_config(d: int, dtype: torch.dtype, device: torch.device,
-                   variant: tuple[str, ...] = ()) -> tuple[int, int, int, int]:
+                   variant: tuple[str, ...] = (), d_v: int | None = None) -> tuple[int, int, int, int]:
     """Tiles of the dQ kernel (``BLOCK_M`` queries held, ``BLOCK_N`` keys a step), tuned apart from the dK/dV
     kernel's: it holds Q, dO and dQ, not K, V, dK and dV, so its best shape differs."""
     if not on_gpu(device):
-        return _tuned("attention_bwd_dq", d, dtype, device, INTERPRETER_CONFIG, variant)
-    return _tuned("attention_bwd_dq", d, dtype, device, _bwd_shipped(d, dtype, device), variant)
+        return _tuned("attention_bwd_dq", d, dtype, device, INTERPRETER_CONFIG, variant, d_v)
+    return _tuned("attention_bwd_dq", d, dtype, device, _bwd_shipped(d, dtype, device, d_v), variant, d_v)
 
 
 def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, window=(-1, -1),
@@ -221,8 +243,9 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
     paged = block_table is not None
     q4, k4, v4 = (_as_4d(t, packed) for t in (q, k, v))
     b, h, n_q, d = q4.shape
+    d_v = v4.shape[-1]  # (MLA: V's own head dim; the output has it)
     n_k, group = (max_seqlen_k if cache else k4.shape[2]), h // k4.shape[1]
-    o, o4 = _empty_4d_like(q, packed)
+    o, o4 = _empty_4d_like(q, packed, last=d_v)
     if packed:
         b, n_q, n_k = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
         lse = torch.empty(h, q.shape[0], dtype=torch.float32, device=q.device)
@@ -245,7 +268,7 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
     cu_q = cu_seqlens_q if packed else lse  # (unused pointers for batches / dense caches)
     cu_k = cu_seqlens_k if packed else (leftpad if leftpad is not None else lse)
     common = dict(CAUSAL=is_causal, WINDOW=_has_window(is_causal, window), VARLEN=packed, BLOCK_D=_block_d(d),
-                  EVEN_D=d == _block_d(d), SEQUSED_K=cache, PAGED=paged, SOFTCAP=bool(softcap),
+                  EVEN_D=d == _block_d(d), BLOCK_DV=_block_d(d_v), EVEN_DV=d_v == _block_d(d_v), SEQUSED_K=cache, PAGED=paged, SOFTCAP=bool(softcap),
                   LEFTPAD=leftpad is not None, HAS_SINKS=sinks is not None, **_dot_precision(q.dtype))
     # GQA with few queries (decoding): one program per (batch, kv head) holds its whole group's queries in one
     # tile, so each K/V tile is read once per group instead of once per query head
@@ -263,11 +286,11 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
     max_block_n = (page_size & -page_size) if paged else None
     # the tuned-table key names the variant this launch compiles to (config_key)
     variant = _variant(gqa=group > 1, varlen=packed, window=common["WINDOW"], softcap=bool(softcap))
-    common["FOLD_SCALE"] = not softcap and _fold_scale(d, q.dtype, q.device, variant)
+    common["FOLD_SCALE"] = not softcap and _fold_scale(d, q.dtype, q.device, variant, d_v)
     few_queries = not (num_splits == 1 or packed or n_q > decode.DECODE_MAX_QUERIES)
     # (the split kernel's tiles, looked up only where a split is possible: its own "-decode" key)
     split_config = _tuned("attention_fwd", d, q.dtype, q.device, decode.DECODE_CONFIG if on_gpu(q.device)
-                          else decode.DECODE_INTERPRETER_CONFIG, variant + ("decode",)) if few_queries else None
+                          else decode.DECODE_INTERPRETER_CONFIG, variant + ("decode",), d_v) if few_queries else None
     if not few_queries:
         splits = 1
     elif num_splits > 1:
@@ -279,11 +302,11 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
         decode.split_kv_forward(args, o4, lse, lse_strides, splits, grid_heads, group, n_q, n_k, d, qk_scale, win_left,
                                 win_right, common, q.device, cache_args, max_block_n, split_config, sinks)
         return o, lse
-    block_m, block_n, warps, stages = _fwd_config(d, q.dtype, q.device, variant)
+    block_m, block_n, warps, stages = _fwd_config(d, q.dtype, q.device, variant, d_v)
     if paged:
         block_n = min(block_n, max_block_n)
     if (not packed and not cache and not pack and not common["WINDOW"] and not softcap and sinks is None
-            and _tma_selected(d, q.dtype, q.device, "attention_fwd", variant)
+            and d_v == d and _tma_selected(d, q.dtype, q.device, "attention_fwd", variant)
             and b * h <= MAX_GRID_AXIS1 and _tma_ready(q4, k4, v4, o4)):
         # ---- Hopper TMA variant (chosen only by a tuned table / the sweep): dense attention, descriptor loads;
         # descriptors index whole tensors, so it runs as one launch (more batch x heads keep the default kernel)
@@ -300,7 +323,7 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
     for bh_start, n_bh in grid_axis1_launches(b * grid_heads):
         _fwd_kernel[(triton.cdiv(tile_rows, block_m), n_bh)](
             *args(o4, lse, _strides3(o4, packed), lse_strides), grid_heads, group, bh_start, n_q, n_k, d,
-            qk_scale, win_left, win_right, 0, *cache_args, SPLIT_KV=False, BLOCK_M=block_m,
+            d_v, qk_scale, win_left, win_right, 0, *cache_args, SPLIT_KV=False, BLOCK_M=block_m,
             BLOCK_N=block_n,
             **common, num_warps=warps, num_stages=stages)
     return o, lse
@@ -319,6 +342,7 @@ def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale
     packed = cu_seqlens_q is not None
     q4, k4, v4, o4, do4 = (_as_4d(t, packed) for t in (q, k, v, o, do))
     b, h, n_q, d = q4.shape
+    d_v = v4.shape[-1]  # (MLA: V's, dO's and dV's own head dim)
     n_k, h_kv = k4.shape[2], k4.shape[1]
     group = h // h_kv
     dq, dq4 = _empty_4d_like(q, packed)
@@ -344,9 +368,9 @@ def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale
     # the dK/dV and dQ kernels have tile shapes of their own, each keyed by the variant it compiles to
     variant = _variant(gqa=group > 1, varlen=packed, window=window_on, softcap=bool(softcap))
     dkdv_variant = variant + (() if deterministic else ("atomic",))
-    block_m, block_n, warps, stages = _bwd_config(d, q.dtype, q.device, dkdv_variant)
-    dq_m, dq_n, dq_warps, dq_stages = _bwd_dq_config(d, q.dtype, q.device, variant)
-    common = dict(BLOCK_D=block_d, VARLEN=packed, CAUSAL=is_causal, WINDOW=window_on, SOFTCAP=bool(softcap),
+    block_m, block_n, warps, stages = _bwd_config(d, q.dtype, q.device, dkdv_variant, d_v)
+    dq_m, dq_n, dq_warps, dq_stages = _bwd_dq_config(d, q.dtype, q.device, variant, d_v)
+    common = dict(BLOCK_D=block_d, BLOCK_DV=_block_d(d_v), EVEN_DV=d_v == _block_d(d_v), VARLEN=packed, CAUSAL=is_causal, WINDOW=window_on, SOFTCAP=bool(softcap),
                   **_dot_precision(q.dtype))
     dkdv_tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common)
     dq_tiles = dict(BLOCK_M=dq_m, BLOCK_N=dq_n, num_warps=dq_warps, num_stages=dq_stages, **common)
@@ -354,13 +378,13 @@ def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale
     q_s, k_s, v_s, do_s = (_strides3(t, packed) for t in (q4, k4, v4, do4))
     for bh_start, n_bh in grid_axis1_launches(b * h):
         _bwd_preprocess[(triton.cdiv(n_q, pre_m), n_bh)](
-            o4, do4, delta, cu_q, cu_k, *_strides3(o4, packed), *do_s, *lse_strides, h, bh_start, n_q, d,
-            VARLEN=packed, BLOCK_M=pre_m, BLOCK_D=block_d)
+            o4, do4, delta, cu_q, cu_k, *_strides3(o4, packed), *do_s, *lse_strides, h, bh_start, n_q, d_v,
+            VARLEN=packed, BLOCK_M=pre_m, BLOCK_D=_block_d(d_v))
     dsinks = None
     if sinks is not None:  # lse, delta: [..., heads, rows] (packed: [heads, total])
         weight = torch.exp(sinks.float().view(h, 1) - lse) * delta
         dsinks = -weight.reshape(-1, h, weight.shape[-1]).sum(dim=(0, 2)).to(sinks.dtype)
-    if (deterministic and not packed and not window_on and not softcap
+    if (deterministic and not packed and not window_on and not softcap and d_v == d
             and _tma_selected(d, q.dtype, q.device, "attention_bwd", variant)
             and b * max(h, h_kv) <= MAX_GRID_AXIS1 and _tma_ready(q4, k4, v4, do4, dq4, dk4, dv4)):
         # ---- Hopper TMA variant (chosen only by a tuned table / the sweep): descriptor loads, same math
@@ -383,7 +407,7 @@ def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale
         _bwd_dkdv_kernel[(triton.cdiv(n_k, block_n), n_bh)](
             q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc, cu_q, cu_k, *q_s, *k_s, *v_s, *do_s,
             *_strides3(dk4, packed), *_strides3(dv4, packed), *lse_strides, *_strides3(dq_acc, packed),
-            h_kv, group, bh_start, n_q, n_k, d, qk_scale, softmax_scale, win_left, win_right, cap, GQA=group > 1,
+            h_kv, group, bh_start, n_q, n_k, d, d_v, qk_scale, softmax_scale, win_left, win_right, cap, GQA=group > 1,
             ATOMIC_DQ=not deterministic, EVEN_D=d == block_d, **dkdv_tiles)
     if not deterministic:
         dq4.copy_(dq_acc.mul_(softmax_scale))
@@ -391,7 +415,7 @@ def flash_attention_backward(do, q, k, v, o, lse, is_causal: bool, softmax_scale
     for bh_start, n_bh in grid_axis1_launches(b * h):
         _bwd_dq_kernel[(triton.cdiv(n_q, dq_m), n_bh)](
             q4, k4, v4, do4, lse, delta, dq4, cu_q, cu_k, *q_s, *k_s, *v_s, *do_s, *_strides3(dq4, packed),
-            *lse_strides, h, group, bh_start, n_q, n_k, d, qk_scale, softmax_scale, win_left, win_right, cap,
+            *lse_strides, h, group, bh_start, n_q, n_k, d, d_v, qk_scale, softmax_scale, win_left, win_right, cap,
             EVEN_D=d == block_d, **dq_tiles)
     return dq, dk, dv, dsinks
 
@@ -413,7 +437,8 @@ def _(q, k, v, is_causal, softmax_scale, window_left, window_right, cu_seqlens_q
       max_seqlen_k, softcap=0.0, sinks=None):
     packed = cu_seqlens_q is not None
     lse_shape = (q.shape[1], q.shape[0]) if packed else q.shape[:-1]
-    return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
+    out = torch.empty_like(q) if v.shape[-1] == q.shape[-1] else q.new_empty((*q.shape[:-1], v.shape[-1]))
+    return out, q.new_empty(lse_shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("tritonlm::flash_attention_bwd", mutates_args=())
@@ -456,8 +481,9 @@ def check_attention_inputs(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.T
         raise TypeError(f"{op}: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"{op}: q, k, v devices differ: {q.device}, {k.device}, {v.device}")
-    if q.shape[-1] != k.shape[-1] or k.shape[-1] != v.shape[-1]:
-        raise ValueError(f"{op}: head dims differ: q {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]}")
+    if q.shape[-1] != k.shape[-1]:
+        # (v may have a head dim of its own: MLA; the output then has v's)
+        raise ValueError(f"{op}: head dims differ: q {q.shape[-1]}, k {k.shape[-1]}")
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"{op}: k has {k.shape[-2]} keys but v has {v.shape[-2]}")
     if k.shape[:-2] != v.shape[:-2]:
@@ -499,8 +525,8 @@ class FlashAttention(torch.autograd.Function):
         check_float("FlashAttention", q)
         check_device("FlashAttention", q, k, v)
         d = q.shape[-1]
-        if d > 256:
-            raise ValueError(f"FlashAttention: head dim {d} > 256 is not supported")
+        if d > 256 or v.shape[-1] > 256:
+            raise ValueError(f"FlashAttention: head dims up to 256 are supported, got q/k {d}, v {v.shape[-1]}")
         scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
         window = (-1, -1) if window is None else (int(window[0]), int(window[1]))
         softcap = float(softcap or 0.0)

@@ -18,12 +18,20 @@ def _strides3(t: torch.Tensor, packed: bool = False):
     return (0 if packed else t.stride(0)), t.stride(1), t.stride(2)
 
 
-def _empty_4d_like(t: torch.Tensor, packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """An output shaped and laid out like ``t`` (a head-split view stays head-split), plus its 4-D view."""
-    out = torch.empty_like(t)
+def _empty_4d_like(t: torch.Tensor, packed: bool = False, last: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """An output shaped and laid out like ``t`` (a head-split view stays head-split), plus its 4-D view. ``last``:
+    another size of the last dim (MLA's output has V's head dim), the dims kept in ``t``'s memory order."""
+    if last is not None and last != t.shape[-1]:
+        # outermost stride first, the last dim innermost; allocate in that order and permute back
+        order = sorted(range(t.dim() - 1), key=lambda i: -t.stride(i)) + [t.dim() - 1]
+        shape = (*t.shape[:-1], last)
+        out = torch.empty([shape[i] for i in order], dtype=t.dtype, device=t.device)
+        out = out.permute([order.index(i) for i in range(t.dim())])
+    else:
+        out = torch.empty_like(t)
     view = _as_4d(out, packed)
     if view.data_ptr() != out.data_ptr():
-        out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        out = torch.empty(out.shape, dtype=t.dtype, device=t.device)
         view = _as_4d(out, packed)
     return out, view
 

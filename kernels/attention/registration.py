@@ -139,6 +139,25 @@ def _sass_cases(quick: bool) -> list[_registry.SassCase]:
     cases.append(_registry.SassCase(
         "4x64 heads, 1 query, sinks", lambda: flash_attention_forward(q1s, cache64, cache64, True, 0.1, sinks=sinks),
         (L("attention.sinks_decode_combine", 1),)))
+    # MLA (DeepSeek-V3): queries and keys 192 wide (128 + 64 rotary; Q·Kᵀ padded to a 256 tile), values 128, 16
+    # heads: forward, both backward kernels, and split-KV decoding of 1 query against a 32K cache
+    q_mla = torch.empty(1, 16, 4096, 192, dtype=dtype, device=meta)
+    v_mla = torch.empty(1, 16, 4096, 128, dtype=dtype, device=meta)
+    pairs = 16 * _causal_pairs(4096)  # forward 2·(192 + 128) flops per pair, dK/dV 2·(2·192 + 2·128), dQ 2·(2·192 + 128)
+    mla = "1x16x4096 d_qk 192 d_v 128 causal bf16"
+    cases += [
+        _registry.SassCase(mla, lambda: flash_attention_forward(q_mla, q_mla, v_mla, True, 0.1),
+                           (L("attention.mla_fwd", 0, 2 * 320 * pairs),)),
+        _registry.SassCase(mla, lambda: flash_attention_backward(v_mla, q_mla, q_mla, v_mla, v_mla, lse16, True, 0.1),
+                           (L("attention.mla_bwd_dkdv", 1, 2 * 640 * pairs), L("attention.mla_bwd_dq", 2, 2 * 512 * pairs))),
+    ]
+    q1_mla = torch.empty(4, 16, 1, 192, dtype=dtype, device=meta)
+    k_mla, v_cache_mla = (torch.empty(4, 16, 32768, w, dtype=dtype, device=meta) for w in (192, 128))
+    cases.append(_registry.SassCase(
+        "4x16 1 query x 32768 cache, d_qk 192 d_v 128 bf16",
+        lambda: flash_attention_forward(q1_mla, k_mla, v_cache_mla, True, 0.1),
+        (L("attention.mla_decode_split", 0, 2 * 4 * 16 * 32768 * 320),),
+        bytes_moved=_registry.nbytes(k_mla) + _registry.nbytes(v_cache_mla)))
     packed = torch.empty(8192, 16, d, dtype=dtype, device=meta)
     cu = torch.empty(9, dtype=torch.int32, device=meta)
     cases.append(_registry.SassCase(
@@ -243,8 +262,8 @@ def _sweep_cases(device: torch.device, smoke: bool) -> list[_registry.SweepCase]
 
 def _shipped(pick):
     def shipped(key: str, device: torch.device, dtype: torch.dtype) -> dict:
-        d, variant = parse_key(key)
-        return dict(zip(_CONFIG_FIELDS, pick(d, dtype, device, variant)))
+        d, variant, d_v = parse_key(key)
+        return dict(zip(_CONFIG_FIELDS, pick(d, dtype, device, variant, d_v)))
     return shipped
 
 

@@ -110,15 +110,23 @@ def _scores(qk, qk_scale, softcap, SOFTCAP: tl.constexpr):
 # forward
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
-def _load_kv(k_tile, v_tile, keys, n_k, d_mask, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
-    """K and V tiles; edge tiles masked to zero. A whole tile with the head dim filling BLOCK_D loads unmasked."""
+def _load_kv(k_tile, v_tile, keys, n_k, d_mask, dv_mask, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+             EVEN_DV: tl.constexpr):
+    """K and V tiles; edge tiles masked to zero. A whole tile whose head dim fills its block loads unmasked. V may
+    have a head dim of its own (MLA: ``dv_mask`` / ``EVEN_DV``; the same as K's otherwise, so the same code)."""
     if MASKED:
-        kv_mask = (keys[:, None] < n_k) & d_mask[None, :]
-        return tl.load(k_tile, mask=kv_mask, other=0.0), tl.load(v_tile, mask=kv_mask, other=0.0)
+        rows = keys[:, None] < n_k
+        return (tl.load(k_tile, mask=rows & d_mask[None, :], other=0.0),
+                tl.load(v_tile, mask=rows & dv_mask[None, :], other=0.0))
     if EVEN_D:
-        return tl.load(k_tile), tl.load(v_tile)
-    return tl.load(k_tile, mask=d_mask[None, :], other=0.0), tl.load(v_tile, mask=d_mask[None, :], other=0.0)
-
+        k = tl.load(k_tile)
+    else:
+        k = tl.load(k_tile, mask=d_mask[None, :], other=0.0)
+    if EVEN_DV:
+        v = tl.load(v_tile)
+    else:
+        v = tl.load(v_tile, mask=dv_mask[None, :], other=0.0)
+    return k, v
 
 
 @triton.jit

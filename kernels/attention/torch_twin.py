@@ -33,26 +33,26 @@ def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 class FlashAttentionTorch(torch.autograd.Function):
     """``FlashAttentionTorch.apply(q, k, v, is_causal=False, softmax_scale=None)``; ``q[..., n_q, d]``,
-    ``k, v[..., n_k, d]``, any leading dims; k and v may have fewer heads (dim -3) than q (GQA/MQA: each kv
+    ``k, v[..., n_k, d]`` (v may have a head dim of its own: MLA), any leading dims; k and v may have fewer heads (dim -3) than q (GQA/MQA: each kv
     head serves ``h_q / h_kv`` consecutive query heads, broadcast, never repeated); fp32 accumulation."""
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal=False, softmax_scale=None):
         check_attention_inputs("FlashAttentionTorch", q, k, v)
-        q_shape, ctx.k_shape = q.shape, k.shape
+        q_shape, ctx.k_shape, ctx.v_shape = q.shape, k.shape, v.shape
         q, k, v = _grouped(q, k, v)
         n_q, d = q.shape[-2], q.shape[-1]
         n_k = k.shape[-2]
         scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
         shift = n_k - n_q
-        o = torch.empty_like(q)
+        o = q.new_empty((*q.shape[:-1], v.shape[-1]))  # (MLA: V's head dim may differ from Q/K's)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         for qs in range(0, n_q, TILE_Q):
             q_tile = q[..., qs:qs + TILE_Q, :].float()
             rows = q_tile.shape[-2]
             m = torch.full(q_tile.shape[:-1], float("-inf"), device=q.device)
             l = torch.zeros_like(m)
-            acc = torch.zeros_like(q_tile)
+            acc = q_tile.new_zeros((*q_tile.shape[:-1], v.shape[-1]))
             # with causality, key tiles past the last visible key of this query tile are skipped
             key_end = min(n_k, qs + rows + shift) if is_causal else n_k
             for ks in range(0, max(key_end, 0), TILE_K):
@@ -74,7 +74,7 @@ class FlashAttentionTorch(torch.autograd.Function):
             lse[..., qs:qs + TILE_Q] = torch.where(empty, torch.full_like(l, float("-inf")), m + torch.log(l_safe))
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.is_causal, ctx.scale, ctx.q_shape = bool(is_causal), scale, q_shape
-        return o.reshape(q_shape)
+        return o.reshape(*q_shape[:-1], v.shape[-1])
 
     @staticmethod
     @first_order_backward
@@ -82,7 +82,7 @@ class FlashAttentionTorch(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         scale, is_causal = ctx.scale, ctx.is_causal
         k_shape = ctx.k_shape
-        do = do.reshape(q.shape)
+        do = do.reshape(*q.shape[:-1], v.shape[-1])
         n_q, n_k = q.shape[-2], k.shape[-2]
         shift = n_k - n_q
         delta = (do.float() * o.float()).sum(dim=-1)  # D = rowsum(dO ∘ O)
@@ -110,7 +110,7 @@ class FlashAttentionTorch(torch.autograd.Function):
                 dq[..., qs:qs + rows, :] += ds @ k_tile * scale                      # dQ += dS K
                 dk[..., ks:ks + cols, :] += _group_sum(ds.transpose(-1, -2) @ q_tile * scale, dk)  # dK += dSᵀ Q
         # (grouped views: dK, dV come back with k's and v's own shapes, dQ with q's)
-        return (dq.to(q.dtype).reshape(ctx.q_shape), dk.to(k.dtype).reshape(k_shape), dv.to(v.dtype).reshape(k_shape),
+        return (dq.to(q.dtype).reshape(ctx.q_shape), dk.to(k.dtype).reshape(k_shape), dv.to(v.dtype).reshape(ctx.v_shape),
                 None, None)
 
 

@@ -369,7 +369,7 @@ def test_attention_launches_look_up_their_variant_key(call, kernel_keys):
     assert kernel_keys <= seen, seen
     attention = {key for kernel, key in seen if kernel.startswith("attention")}
     assert all(key.startswith("fp32-d16") for key in attention)
-    assert FA.parse_key("bf16-d128-gqa-window") == (128, ("gqa", "window"))
+    assert FA.parse_key("bf16-d128-gqa-window") == (128, ("gqa", "window"), 128)
     assert FA.config_key(100, torch.bfloat16, ("window", "gqa")) == "bf16-d128-gqa-window"  # variants in order
 
 
