@@ -30,8 +30,8 @@ class KVCache:
 
     def _grow(self, k: torch.Tensor, v: torch.Tensor, needed: int) -> None:
         size = min(self.max_len, max(needed, self.reserve if self.k is None else 2 * self.capacity))
-        shape = (*k.shape[:-2], size, k.shape[-1])
-        new_k, new_v = k.new_empty(shape), v.new_empty(shape)
+        # (values may have a head size of their own: MLA)
+        new_k, new_v = k.new_empty((*k.shape[:-2], size, k.shape[-1])), v.new_empty((*v.shape[:-2], size, v.shape[-1]))
         if self.k is not None:
             new_k[..., :self.length, :] = self.k[..., :self.length, :]
             new_v[..., :self.length, :] = self.v[..., :self.length, :]
@@ -181,14 +181,17 @@ class PagedKVCache:
         return PagedLayerCache(self, index)
 
     # ---- storage (device side)
-    def pools(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def pools(self, index: int, like: torch.Tensor, like_v: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``index``'s key and value pools, allocated (or grown, keeping their contents) to the blocks the
-        bookkeeping has handed out; ``like`` (new keys ``[batch, kv_heads, seq, d_k]``) gives dtype and shape."""
+        bookkeeping has handed out; ``like`` (new keys ``[batch, kv_heads, seq, d_k]``) gives dtype and shape, and
+        ``like_v`` the values' head size where it differs (MLA)."""
         blocks = max(self.reserved, 1)
         k = self.k[index]
         if k is None or k.shape[0] < blocks:
-            shape = (blocks, self.page_size, like.shape[-3], like.shape[-1])
-            new_k, new_v = like.new_zeros(shape), like.new_zeros(shape)
+            d_v = like.shape[-1] if like_v is None else like_v.shape[-1]
+            new_k = like.new_zeros((blocks, self.page_size, like.shape[-3], like.shape[-1]))
+            new_v = like.new_zeros((blocks, self.page_size, like.shape[-3], d_v))
             if k is not None:
                 new_k[:k.shape[0]] = k
                 new_v[:k.shape[0]] = self.v[index]
@@ -197,7 +200,7 @@ class PagedKVCache:
 
     def write(self, index: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the step's new keys / values ``[batch, kv_heads, new, d_k]`` at each sequence's next positions."""
-        k_pool, v_pool = self.pools(index, k)
+        k_pool, v_pool = self.pools(index, k, v)
         pos = self.positions(k.shape[-2])                                   # [batch, new]
         blocks = self.block_table.long().gather(1, pos // self.page_size)
         rows = pos % self.page_size

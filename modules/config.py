@@ -117,6 +117,26 @@ class ModelConfig:
     expert_activation: str = "silu"  # "silu" (SwiGLU experts) or "swiglu_clamped" (gpt-oss, with alpha and limit)
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # DeepSeek-V3 / GLM-4.5 routing: sigmoid scores, a choice bias (e_score_correction_bias, a buffer) added to pick
+    # experts only, experts in groups of which the best router_topk_groups compete, weights times a scaling factor;
+    # their shared experts are added without a gate
+    router_scoring: str = "softmax"
+    router_choice_bias: bool = False
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_gate: bool = True  # Qwen2-MoE's sigmoid gate on the shared expert (False: added as it is)
+    # MLA (DeepSeek-V2/V3 multi-head latent attention): queries through an optional low-rank bottleneck
+    # (q_lora_rank), keys and values from one compressed latent of kv_lora_rank plus a rotary key shared by all heads;
+    # query/key heads qk_nope_head_dim + qk_rope_head_dim wide (RoPE on the last qk_rope_head_dim), value heads
+    # v_head_dim; the bottlenecks' RMSNorms use latent_norm_eps (DeepSeek's fixed 1e-6)
+    attention: str = "mha"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    latent_norm_eps: float = 1e-6
     # the dropout probability the checkpoint was trained with (Seed-OSS: 0.1). The kernels have no dropout: eval
     # and generation are exact, a forward in training mode with dropout > 0 is an error (replace it with 0.0 to
     # fine-tune without dropout)
@@ -164,6 +184,7 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.rope_scaling needs position='rope', got position={self.position!r}")
             check_rope_scaling(self.rope_scaling)
         self._check_moe()
+        self._check_mla()
         self._check_gemma2()
         self._check_granite()
         for name, allowed in (("norm", NORMS), ("ffn", FFNS), ("position", POSITIONS),
@@ -200,6 +221,51 @@ class ModelConfig:
                                                    for i in self.moe_layers):
             raise ValueError(f"ModelConfig.moe_layers must be layer indices in [0, {self.num_layers}), got "
                              f"{self.moe_layers!r}")
+
+    def _check_mla(self) -> None:
+        if self.router_scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"ModelConfig.router_scoring must be 'softmax' or 'sigmoid', got {self.router_scoring!r}")
+        for name in ("router_choice_bias", "shared_expert_gate"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        groups, kept = self.router_groups, self.router_topk_groups
+        if not (isinstance(groups, int) and isinstance(kept, int) and 1 <= kept <= groups) or \
+                (self.num_experts and self.num_experts % groups):
+            raise ValueError(f"ModelConfig.router_groups={groups!r} / router_topk_groups={kept!r}: the experts "
+                             f"({self.num_experts}) must split into router_groups groups, 1 <= topk_groups <= groups")
+        if self.router_scoring == "softmax" and (self.router_choice_bias or groups != 1
+                                                 or self.routed_scaling_factor != 1.0):
+            raise ValueError("ModelConfig.router_choice_bias, router_groups and routed_scaling_factor need "
+                             "router_scoring='sigmoid'")
+        if isinstance(self.routed_scaling_factor, bool) or not isinstance(self.routed_scaling_factor, (int, float)) \
+                or not self.routed_scaling_factor > 0:
+            raise ValueError(f"ModelConfig.routed_scaling_factor must be a positive number, got "
+                             f"{self.routed_scaling_factor!r}")
+        if self.attention not in ("mha", "mla"):
+            raise ValueError(f"ModelConfig.attention must be 'mha' or 'mla', got {self.attention!r}")
+        if self.attention != "mla":
+            return
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.q_lora_rank is not None and (isinstance(self.q_lora_rank, bool) or not isinstance(self.q_lora_rank, int)
+                                             or self.q_lora_rank <= 0):
+            raise ValueError(f"ModelConfig.q_lora_rank must be a positive int or None, got {self.q_lora_rank!r}")
+        if self.position != "rope" or self.qk_rope_head_dim % 2:
+            raise ValueError(f"attention='mla' needs position='rope' and an even qk_rope_head_dim, got "
+                             f"{self.position!r} / {self.qk_rope_head_dim}")
+        if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+            raise ValueError(f"attention='mla': head_dim must be qk_nope_head_dim + qk_rope_head_dim "
+                             f"({self.qk_nope_head_dim + self.qk_rope_head_dim}), got {self.head_dim!r}")
+        unsupported = [n for n in ("qk_norm", "attention_sinks", "partial_rotary", "attn_softcap",
+                                   "sliding_window", "nope_layers") if getattr(self, n)]
+        if unsupported or self.kv_heads != self.num_heads:
+            raise ValueError(f"attention='mla' cannot be combined with {unsupported[0] if unsupported else 'num_kv_heads'}"
+                             " (DeepSeek's latent attention has none)")
+        if isinstance(self.latent_norm_eps, bool) or not isinstance(self.latent_norm_eps, (int, float)) \
+                or not self.latent_norm_eps > 0:
+            raise ValueError(f"ModelConfig.latent_norm_eps must be a positive number, got {self.latent_norm_eps!r}")
 
     def _check_gemma2(self) -> None:
         if not isinstance(self.post_norms, bool):
@@ -298,8 +364,16 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """The features of each head RoPE turns (all, or the ``partial_rotary`` fraction, as HF rounds it down)."""
+        """The features of each head RoPE turns (all, or the ``partial_rotary`` fraction, as HF rounds it down; MLA:
+        the last ``qk_rope_head_dim``)."""
+        if self.attention == "mla":
+            return self.qk_rope_head_dim
         return self.d_head if self.partial_rotary is None else int(self.d_head * self.partial_rotary)
+
+    @property
+    def v_dim(self) -> int:
+        """Each value head's width (the query/key head's, except with MLA)."""
+        return self.v_head_dim if self.attention == "mla" else self.d_head
 
     @property
     def kv_heads(self) -> int:

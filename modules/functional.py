@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 import torch
-from einops import einsum
+from einops import einsum, rearrange
 
 
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -170,18 +170,37 @@ def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
 
 
 def moe_router(hidden: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: bool = True, *,
-               logit_bias: torch.Tensor | None = None, softmax_after_topk: bool = False
+               scoring: str = "softmax", logit_bias: torch.Tensor | None = None,
+               choice_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
+               routed_scaling_factor: float = 1.0, softmax_after_topk: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Top-k routing of ``hidden [..., H]`` by a router ``weight [E, H]`` (Mixtral / Qwen3-MoE semantics).
+    """Top-k routing of ``hidden [..., H]`` by a router ``weight [E, H]``.
 
-    Returns ``(router_logits [T, E]`` in hidden's dtype, ``top_k_weights [T, K]``, ``top_k_index [T, K])`` for the
-    ``T`` tokens of the flattened leading dims: the softmax over experts is taken in fp32, the ``top_k`` largest
-    probabilities are kept and, with ``norm_topk_prob``, renormalised to sum to 1 per token. ``logit_bias [E]``:
+    Returns ``(router_logits [T, E]``, ``top_k_weights [T, K]``, ``top_k_index [T, K])`` for the ``T`` tokens of the
+    flattened leading dims; ``router_logits`` are the raw logits, before softmax or sigmoid.
+
+    ``scoring="softmax"`` (Mixtral / Qwen3-MoE): logits in hidden's dtype, their softmax taken in fp32, the ``top_k``
+    largest probabilities kept and, with ``norm_topk_prob``, renormalised to sum to 1 per token. ``logit_bias [E]``:
     the router's linear bias (gpt-oss), added to the logits (it moves both the choice and the weights).
     ``softmax_after_topk`` (gpt-oss): the ``top_k`` largest logits are chosen and their softmax, in the logits'
-    dtype, is the weights (``norm_topk_prob`` has nothing left to do).
+    dtype, is the weights.
+
+    ``scoring="sigmoid"`` (DeepSeek-V3, GLM-4.5): logits in fp32, scores ``sigmoid(logits)``. ``choice_bias [E]``
+    (DeepSeek-V3's ``e_score_correction_bias``) is added to the scores only to choose experts. The experts are
+    split into ``n_group`` contiguous groups; each group is ranked by the sum of its two best biased scores, the
+    ``topk_group`` best groups stay, and the ``top_k`` best biased scores among their experts are chosen. The
+    weights are the chosen experts' unbiased scores, renormalised with ``norm_topk_prob`` (a 1e-20 floor in the
+    sum), then times ``routed_scaling_factor``.
     """
-    logits = einsum(hidden.reshape(-1, hidden.shape[-1]), weight, "tokens d_model, experts d_model -> tokens experts")
+    if scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"moe_router: scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    if scoring == "sigmoid":
+        return _sigmoid_router(flat, weight, top_k, norm_topk_prob, choice_bias, n_group, topk_group,
+                               routed_scaling_factor)
+    if choice_bias is not None or n_group != 1 or routed_scaling_factor != 1.0:
+        raise ValueError("moe_router: choice_bias, n_group > 1 and routed_scaling_factor belong to scoring='sigmoid'")
+    logits = einsum(flat, weight, "tokens d_model, experts d_model -> tokens experts")
     if logit_bias is not None:
         logits = logits + logit_bias
     if softmax_after_topk:
@@ -192,6 +211,32 @@ def moe_router(hidden: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk
     if norm_topk_prob:
         top_k_weights = top_k_weights / top_k_weights.sum(dim=-1, keepdim=True)
     return logits, top_k_weights, top_k_index
+
+
+def _sigmoid_router(flat, weight, top_k, norm_topk_prob, choice_bias, n_group, topk_group, routed_scaling_factor):
+    """:func:`moe_router`'s ``scoring="sigmoid"`` (its docstring), written out step by step."""
+    n_experts = weight.shape[0]
+    if n_group < 1 or n_experts % n_group or not 1 <= topk_group <= n_group:
+        raise ValueError(f"moe_router: {n_experts} experts cannot form n_group={n_group} groups with "
+                         f"topk_group={topk_group} kept")
+    if top_k > topk_group * (n_experts // n_group):
+        raise ValueError(f"moe_router: top_k={top_k} exceeds the {topk_group * (n_experts // n_group)} experts of "
+                         f"the {topk_group} kept groups")
+    logits = einsum(flat.float(), weight.float(), "tokens d_model, experts d_model -> tokens experts")
+    scores = torch.sigmoid(logits)
+    biased = scores if choice_bias is None else scores + choice_bias.float()
+    # ---- groups: each ranked by the sum of its two best biased scores (one expert per group: that score)
+    grouped = rearrange(biased, "tokens (groups experts) -> tokens groups experts", groups=n_group)
+    group_scores = torch.topk(grouped, min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+    kept_groups = torch.topk(group_scores, topk_group, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
+    candidates = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(1)
+    # ---- experts: the best biased scores among the kept groups; weights from the unbiased scores
+    top_k_index = torch.topk(candidates, top_k, dim=-1).indices
+    top_k_weights = scores.gather(1, top_k_index)
+    if norm_topk_prob:
+        top_k_weights = top_k_weights / (top_k_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return logits, top_k_weights * routed_scaling_factor, top_k_index
 
 
 def load_balancing_loss(router_logits, num_experts: int, top_k: int,

@@ -36,6 +36,7 @@ from .reference import (  # noqa: F401  (unchanged components, re-exported for a
 __all__ = [
     "Linear", "Embedding", "RMSNorm", "LayerNorm", "BatchNorm", "RotaryPositionalEmbedding",
     "SinusoidalPositionalEncoding", "SwiGLU", "GeGLU", "ReLUFFN", "SiLUFFN", "MoEExperts", "MoEFFN", "MultiHeadSelfAttention",
+    "MultiHeadLatentAttention",
     "KVCache",
     "TransformerBlock", "TransformerLM", "fuse", "unfuse", "lm_head_loss",
 ]
@@ -130,7 +131,7 @@ class MultiHeadSelfAttention(_ref.MultiHeadSelfAttention):
         """The paged cache through ``flash_attn_with_kvcache``: the new keys written into the pool in place and
         attended in one call; each sequence reads only its own blocks, up to its own length."""
         pool = cache.cache
-        k_pool, v_pool = pool.pools(cache.index, k)
+        k_pool, v_pool = pool.pools(cache.index, k, v)
         out = _kernels().flash_attn_with_kvcache(
             q.transpose(-3, -2), k_pool, v_pool, k.transpose(-3, -2).to(k_pool.dtype),
             v.transpose(-3, -2).to(v_pool.dtype), cache_seqlens=pool.cache_seqlens, block_table=pool.block_table,
@@ -146,7 +147,19 @@ class MultiHeadSelfAttention(_ref.MultiHeadSelfAttention):
         out = _kernels().FlashAttention.apply(*packed, True, self.softmax_scale, self._window, documents.cu_seqlens,
                                               documents.cu_seqlens, documents.max_len, documents.max_len, True,
                                               self.softcap or 0.0, self.sinks)
-        return out.reshape(batch, seq, q.shape[-3], q.shape[-1]).transpose(-3, -2)
+        return out.reshape(batch, seq, q.shape[-3], v.shape[-1]).transpose(-3, -2)
+
+
+class MultiHeadLatentAttention(_ref.MultiHeadLatentAttention, MultiHeadSelfAttention):
+    """:class:`reference.MultiHeadLatentAttention` with fused RMSNorms on the latents, RoPE in one launch and
+    Triton flash attention whose value heads are narrower than the query/key heads (no padding of V)."""
+
+    def __init__(self, *args, **kwargs):
+        _ref.MultiHeadLatentAttention.__init__(self, *args, **kwargs)
+        self.rope.__class__ = RotaryPositionalEmbedding
+        for norm in (self.q_a_norm, self.kv_a_norm):
+            if norm is not None:
+                norm.__class__ = RMSNorm
 
 
 class MoEExperts(_ref.MoEExperts):
@@ -198,6 +211,7 @@ _FUSED = {
     _ref.SwiGLU: SwiGLU,
     _ref.GeGLU: GeGLU,
     _ref.MultiHeadSelfAttention: MultiHeadSelfAttention,
+    _ref.MultiHeadLatentAttention: MultiHeadLatentAttention,
     _ref.MoEExperts: MoEExperts,
     _ref.MoEFFN: MoEFFN,
 }

@@ -74,7 +74,10 @@ def _make_ffn(kind: str, comps, d_model: int, d_ff: int, device, dtype, config: 
                             config.norm_topk_prob, config.shared_expert_d_ff, device=device, dtype=dtype,
                             router_bias=config.router_bias, softmax_after_topk=config.router_softmax_after_topk,
                             expert_bias=config.expert_bias, activation=config.expert_activation,
-                            alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+                            alpha=config.swiglu_alpha, limit=config.swiglu_limit, scoring=config.router_scoring,
+                            choice_bias=config.router_choice_bias, n_group=config.router_groups,
+                            topk_group=config.router_topk_groups, routed_scaling_factor=config.routed_scaling_factor,
+                            shared_gate=config.shared_expert_gate)
     bias = config is not None and config.mlp_bias
     if kind == "swiglu":
         return comps.SwiGLU(d_model, d_ff, device=device, dtype=dtype, bias=bias)
@@ -85,6 +88,27 @@ def _make_ffn(kind: str, comps, d_model: int, d_ff: int, device, dtype, config: 
     if kind == "silu":
         return comps.SiLUFFN(d_model, d_ff, device=device, dtype=dtype)
     raise ValueError(f"unknown ffn {kind!r}")
+
+
+def _make_attention(config: ModelConfig, comps, theta, rope_scaling, rotary: bool, device, dtype,
+                    layer_idx: int) -> nn.Module:
+    """Layer ``layer_idx``'s attention: multi-head (GQA, windows, sinks, ...) or DeepSeek's latent attention (MLA)."""
+    if config.attention == "mla":
+        return comps.MultiHeadLatentAttention(
+            config.d_model, config.num_heads, config.context_length, theta, device=device, dtype=dtype,
+            q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
+            qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim, rope_scaling=rope_scaling,
+            latent_norm_eps=config.latent_norm_eps, softmax_scale=config.query_scale, qkv_bias=config.qkv_bias,
+            out_bias=config.attn_out_bias)
+    return comps.MultiHeadSelfAttention(config.d_model, config.num_heads, config.context_length, theta,
+                                        device=device, dtype=dtype, num_kv_heads=config.num_kv_heads,
+                                        rope_scaling=rope_scaling, head_dim=config.head_dim,
+                                        qkv_bias=config.qkv_bias, qk_norm=config.qk_norm,
+                                        norm_eps=config.norm_eps, norm_offset=config.norm_offset,
+                                        softmax_scale=config.query_scale, softcap=config.attn_softcap,
+                                        window=config.layer_window(layer_idx),
+                                        rotary_dim=config.rotary_dim if rotary else None,
+                                        out_bias=config.attn_out_bias, sinks=config.attention_sinks)
 
 
 def _add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,15 +153,7 @@ class TransformerBlock(nn.Module):
         if not rotary:
             theta = None
         self.ln1 = _make_norm(config.norm, comps, config.d_model, device, dtype, config.norm_eps, config.norm_offset)
-        self.attn = comps.MultiHeadSelfAttention(config.d_model, config.num_heads, config.context_length, theta,
-                                                 device=device, dtype=dtype, num_kv_heads=config.num_kv_heads,
-                                                 rope_scaling=rope_scaling, head_dim=config.head_dim,
-                                                 qkv_bias=config.qkv_bias, qk_norm=config.qk_norm,
-                                                 norm_eps=config.norm_eps, norm_offset=config.norm_offset,
-                                                 softmax_scale=config.query_scale, softcap=config.attn_softcap,
-                                                 window=config.layer_window(layer_idx),
-                                                 rotary_dim=config.rotary_dim if rotary else None,
-                                                 out_bias=config.attn_out_bias, sinks=config.attention_sinks)
+        self.attn = _make_attention(config, comps, theta, rope_scaling, rotary, device, dtype, layer_idx)
         self.ln2 = _make_norm(config.norm, comps, config.d_model, device, dtype, config.norm_eps, config.norm_offset)
         self.ffn = _make_ffn(config.ffn, comps, config.d_model, config.d_ff, device, dtype, config, layer_idx)
         self.residual_scale = config.residual_scale  # (Granite) each branch's output scaled before its add

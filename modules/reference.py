@@ -23,6 +23,7 @@ from .model import TransformerBlock, TransformerLM, register_components  # noqa:
 __all__ = [
     "Linear", "Embedding", "RMSNorm", "LayerNorm", "BatchNorm", "RotaryPositionalEmbedding",
     "SinusoidalPositionalEncoding", "SwiGLU", "GeGLU", "ReLUFFN", "SiLUFFN", "MoEExperts", "MoEFFN", "MultiHeadSelfAttention",
+    "MultiHeadLatentAttention",
     "KVCache", "TransformerBlock", "TransformerLM", "lm_head_loss",
 ]
 
@@ -414,7 +415,9 @@ class MoEFFN(nn.Module):
     """A mixture-of-experts FFN: a router picks ``top_k`` of ``num_experts`` SwiGLU experts per token
     (:func:`functional.moe_router`: fp32 softmax, top-k, renormalised with ``norm_topk_prob``); the token's output
     is their outputs weighted by those probabilities. With ``shared_d_ff`` a shared SwiGLU expert every token runs is
-    added, scaled by a sigmoid gate (Qwen2-MoE). gpt-oss: ``router_bias`` (``router.bias [E]``),
+    added, scaled by a sigmoid gate (Qwen2-MoE), or as it is without ``shared_gate`` (DeepSeek-V3, GLM-4.5, whose
+    router is ``scoring="sigmoid"`` with a ``choice_bias`` buffer ``[E]``, groups and a scaling factor:
+    :func:`functional.moe_router`). gpt-oss: ``router_bias`` (``router.bias [E]``),
     ``softmax_after_topk`` (the chosen logits' softmax are the weights), ``expert_bias`` and the clamped
     ``activation`` of :class:`MoEExperts`. Parameters: ``router.weight [E, d_model]``, ``experts.*``,
     ``shared_expert.w1/w2/w3``, ``shared_expert_gate.weight [1, d_model]``.
@@ -426,17 +429,25 @@ class MoEFFN(nn.Module):
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, norm_topk_prob: bool = True,
                  shared_d_ff: int | None = None, device=None, dtype=None, *, router_bias: bool = False,
                  softmax_after_topk: bool = False, expert_bias: bool = False, activation: str = "silu",
-                 alpha: float = 1.702, limit: float = 7.0):
+                 alpha: float = 1.702, limit: float = 7.0, scoring: str = "softmax", choice_bias: bool = False,
+                 n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
+                 shared_gate: bool = True):
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.softmax_after_topk = softmax_after_topk
+        self.routing = dict(scoring=scoring, n_group=n_group, topk_group=topk_group,
+                            routed_scaling_factor=routed_scaling_factor)
+        # (DeepSeek-V3's e_score_correction_bias: a buffer, not trained by the loss, saved with the model)
+        self.register_buffer("choice_bias", torch.zeros(num_experts, device=device, dtype=torch.float32)
+                             if choice_bias else None)
         self.router = Linear(d_model, num_experts, device=device, dtype=dtype, bias=router_bias)
         self.experts = MoEExperts(num_experts, d_model, d_ff, device=device, dtype=dtype, bias=expert_bias,
                                   activation=activation, alpha=alpha, limit=limit)
         self.shared_expert = self.shared_expert_gate = None
         if shared_d_ff:
             self.shared_expert = SwiGLU(d_model, shared_d_ff, device=device, dtype=dtype)
-            self.shared_expert_gate = Linear(d_model, 1, device=device, dtype=dtype)
+            if shared_gate:
+                self.shared_expert_gate = Linear(d_model, 1, device=device, dtype=dtype)
         self.router_logits: torch.Tensor | None = None
         self.top_k_index: torch.Tensor | None = None
 
@@ -452,11 +463,14 @@ class MoEFFN(nn.Module):
         """``x[..., d_model] -> [..., d_model]``."""
         flat = x.reshape(-1, x.shape[-1])
         logits, weights, index = F.moe_router(flat, self.router.weight, self.top_k, self.norm_topk_prob,
-                                              logit_bias=self.router.bias, softmax_after_topk=self.softmax_after_topk)
+                                              logit_bias=self.router.bias, softmax_after_topk=self.softmax_after_topk,
+                                              choice_bias=self.choice_bias, **self.routing)
         self.router_logits, self.top_k_index = logits, index
         out = self.experts(flat, index, weights)
-        if self.shared_expert is not None:
+        if self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        elif self.shared_expert is not None:  # (DeepSeek-V3 / GLM-4.5: the shared experts ungated)
+            out = out + self.shared_expert(flat)
         return out.reshape(x.shape)
 
 
@@ -545,23 +559,34 @@ class MultiHeadSelfAttention(nn.Module):
         q = rearrange(q, "... seq (heads d_k) -> ... heads seq d_k", heads=self.num_heads)
         k, v = (rearrange(t, "... seq (kv_heads d_k) -> ... kv_heads seq d_k", kv_heads=self.num_kv_heads)
                 for t in (k, v))
-        paged = isinstance(kv_cache, PagedLayerCache)
         if self.rope is not None:
-            generated = token_positions is None
-            if generated:  # (a paged cache: each sequence of the batch continues from its own length)
-                token_positions = kv_cache.positions(seq) if paged else torch.arange(past, past + seq, device=x.device)
-            elif token_positions.shape[-1] != seq:
-                raise ValueError(f"token_positions {tuple(token_positions.shape)} must end in seq={seq}")
-            # positions [..., seq] gain a heads axis so they broadcast over [..., heads, seq, d_k]
-            # positions made here or per document (all < seq <= max_seq_len) need no range check
-            q, k = self.rotate(q, k, token_positions.unsqueeze(-2), trusted=generated or documents is not None)
-        if paged:
-            out = self.attend_paged(q, k, v, kv_cache)
-        else:
-            if kv_cache is not None:
-                k, v = kv_cache.update(k, v)
-            out = self.attend(q, k, v) if documents is None else self.attend_documents(q, k, v, documents)
+            positions, trusted = self._positions(seq, past, token_positions, kv_cache, documents, x.device)
+            q, k = self.rotate(q, k, positions, trusted=trusted)
+        out = self._attend_cached(q, k, v, kv_cache, documents)
         return self.output_proj(rearrange(out, "... heads seq d_k -> ... seq (heads d_k)"))
+
+    @staticmethod
+    def _positions(seq, past, token_positions, kv_cache, documents, device):
+        """``(positions [..., 1, seq], trusted)``: the given positions, or the next ``seq`` after the cache (a paged
+        cache: each sequence of the batch from its own length), with a heads axis that broadcasts over ``[...,
+        heads, seq, d_k]``; positions made here or per document (all < seq <= max_seq_len) are trusted (no range
+        check)."""
+        generated = token_positions is None
+        if generated:
+            paged = isinstance(kv_cache, PagedLayerCache)
+            token_positions = kv_cache.positions(seq) if paged else torch.arange(past, past + seq, device=device)
+        elif token_positions.shape[-1] != seq:
+            raise ValueError(f"token_positions {tuple(token_positions.shape)} must end in seq={seq}")
+        return token_positions.unsqueeze(-2), generated or documents is not None
+
+    def _attend_cached(self, q, k, v, kv_cache, documents):
+        """Attention of ``q [..., heads, seq, d_k]`` over the keys and values so far: a paged cache, a dense cache
+        (the new ``k, v`` appended first), packed documents, or causal attention over ``k, v`` alone."""
+        if isinstance(kv_cache, PagedLayerCache):
+            return self.attend_paged(q, k, v, kv_cache)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)
+        return self.attend(q, k, v) if documents is None else self.attend_documents(q, k, v, documents)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The q/k norms on the projections ``q[..., seq, heads·d_k]``, ``k[..., seq, kv_heads·d_k]``: over each head's
@@ -636,6 +661,66 @@ class MultiHeadSelfAttention(nn.Module):
             visible &= key_pos[None, None, :] > query_pos[:, :, None] - self.window
         return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), visible[:, None],
                                               scale=self.softmax_scale, softcap=self.softcap or 0.0, sinks=self._sinks)
+
+
+class MultiHeadLatentAttention(MultiHeadSelfAttention):
+    """DeepSeek-V2/V3's multi-head latent attention (MLA), transformers' ``DeepseekV3Attention`` as the spec.
+
+    Queries: ``q_proj`` (``[heads·(nope + rope), d_model]``), or with ``q_lora_rank`` the bottleneck ``q_b_proj(
+    q_a_norm(q_a_proj(x)))``. Keys and values: ``kv_a_proj`` gives a compressed latent of ``kv_lora_rank`` features
+    plus one rotary key of ``rope`` features shared by every head; ``kv_b_proj(kv_a_norm(latent))`` expands the latent
+    into each head's ``nope`` key features and ``v_head_dim`` values. Each head's key is its own nope features then the
+    shared rotary ones; RoPE (interleaved pairs) turns the last ``rope`` features of queries and keys. Attention
+    runs with query/key heads ``nope + rope`` wide and value heads ``v_head_dim`` wide (``softmax_scale``: the
+    family's, YaRN's mscale included); ``output_proj`` maps ``heads·v_head_dim`` back. The KV cache holds each
+    head's full key and value (``heads·(nope + rope + v_head_dim)`` numbers per token and layer); the attention,
+    cache and packing paths are the parent's.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, max_seq_len: int, theta: float, device=None, dtype=None, *,
+                 q_lora_rank: int | None, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
+                 v_head_dim: int, rope_scaling: dict | None = None, latent_norm_eps: float = 1e-6,
+                 softmax_scale: float | None = None, qkv_bias: bool = False, out_bias: bool = False):
+        nn.Module.__init__(self)
+        self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, num_heads
+        self.nope, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.d_k, self.kv_lora_rank, self.max_seq_len = qk_nope_head_dim + qk_rope_head_dim, kv_lora_rank, max_seq_len
+        self.q_proj = self.q_a_proj = self.q_a_norm = self.q_b_proj = None
+        if q_lora_rank is None:
+            self.q_proj = Linear(d_model, num_heads * self.d_k, device=device, dtype=dtype)
+        else:
+            self.q_a_proj = Linear(d_model, q_lora_rank, device=device, dtype=dtype, bias=qkv_bias)
+            self.q_a_norm = RMSNorm(q_lora_rank, latent_norm_eps, device=device, dtype=dtype)
+            self.q_b_proj = Linear(q_lora_rank, num_heads * self.d_k, device=device, dtype=dtype)
+        self.kv_a_proj = Linear(d_model, kv_lora_rank + qk_rope_head_dim, device=device, dtype=dtype, bias=qkv_bias)
+        self.kv_a_norm = RMSNorm(kv_lora_rank, latent_norm_eps, device=device, dtype=dtype)
+        self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), device=device, dtype=dtype)
+        self.output_proj = Linear(num_heads * v_head_dim, d_model, device=device, dtype=dtype, bias=out_bias)
+        self.q_norm = self.k_norm = self.qk_norm = self.sinks = None
+        self.softmax_scale, self.softcap, self.window = softmax_scale, None, None
+        self.rope = RotaryPositionalEmbedding(theta, qk_rope_head_dim, max_seq_len, device=device, scaling=rope_scaling)
+
+    def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None, documents: Documents | None = None) -> torch.Tensor:
+        """``x[..., seq, d_model]`` -> ``[..., seq, d_model]`` (the parent's arguments)."""
+        _check_last_dim(x, self.d_model, "MultiHeadLatentAttention")
+        seq = x.shape[-2]
+        past = kv_cache.length if kv_cache is not None else 0
+        if past + seq > self.max_seq_len:
+            raise ValueError(f"sequence length {past + seq} exceeds max_seq_len {self.max_seq_len}")
+        q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+        q = rearrange(q, "... seq (heads d_k) -> ... heads seq d_k", heads=self.num_heads)
+        latent, k_rot = self.kv_a_proj(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = rearrange(self.kv_b_proj(self.kv_a_norm(latent)), "... seq (heads d) -> ... heads seq d",
+                       heads=self.num_heads)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        positions, trusted = self._positions(seq, past, token_positions, kv_cache, documents, x.device)
+        # RoPE on the queries' last rope features and on the one shared rotary key ([..., 1, seq, rope])
+        q_rot, k_rot = self.rotate_features(q[..., self.nope:], k_rot.unsqueeze(-3), positions, trusted)
+        q = torch.cat((q[..., :self.nope], q_rot), dim=-1)
+        k = torch.cat((k_nope, k_rot.expand(*k_nope.shape[:-1], self.rope_dim)), dim=-1)
+        out = self._attend_cached(q, k, v, kv_cache, documents)
+        return self.output_proj(rearrange(out, "... heads seq d_v -> ... seq (heads d_v)"))
 
 
 # the assembly builds its components from this namespace for backend="reference"

@@ -42,10 +42,28 @@ def _ffn_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
     if not cfg.is_moe_layer(layer):  # (+ ERNIE 4.5's biases: d_ff on the gate and up rows, d_model on down)
         return _ffn_matrices(cfg) * d * cfg.d_ff + (2 * cfg.d_ff + d) * cfg.mlp_bias
     experts = cfg.experts_per_token if active else cfg.num_experts
-    shared = 3 * d * cfg.shared_expert_d_ff + d if cfg.shared_expert_d_ff else 0  # + its sigmoid gate
+    # + its sigmoid gate (Qwen2-MoE; DeepSeek-V3's shared experts have none)
+    shared = 3 * d * cfg.shared_expert_d_ff + d * cfg.shared_expert_gate if cfg.shared_expert_d_ff else 0
     biases = (2 * cfg.expert_d_ff + d) * cfg.expert_bias  # (gpt-oss: gate_up and down biases per expert)
     # router (+ its bias), experts, shared expert
     return cfg.num_experts * (d + cfg.router_bias) + experts * (3 * d * cfg.expert_d_ff + biases) + shared
+
+
+def _mla_matrices(cfg: ModelConfig) -> int:
+    """Weight-matrix entries of one MLA layer (:class:`~tritonlm.modules.reference.MultiHeadLatentAttention`): the
+    query path (one projection, or the low-rank pair), the latent + shared rotary key, the expansion into each head's
+    nope keys and values, the output projection -- one multiply-add per token each."""
+    d, h, d_qk = cfg.d_model, cfg.num_heads, cfg.d_head
+    query = d * h * d_qk if cfg.q_lora_rank is None else (d + h * d_qk) * cfg.q_lora_rank
+    latent = d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    expand = cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    return query + latent + expand + h * cfg.v_head_dim * d
+
+
+def _mla_vectors(cfg: ModelConfig) -> int:
+    """An MLA layer's norm weights (the latents') and the a-projections' biases (``attention_bias``)."""
+    lora = cfg.q_lora_rank or 0
+    return lora + cfg.kv_lora_rank + (lora + cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.qkv_bias
 
 
 def param_count(cfg: ModelConfig, active: bool = False) -> int:
@@ -59,6 +77,9 @@ def param_count(cfg: ModelConfig, active: bool = False) -> int:
     attention_and_norms = (2 * d * d_q + 2 * d * d_kv + (2 + 2 * cfg.post_norms) * _norm_params(cfg)
                            + (d_q + 2 * d_kv) * cfg.qkv_bias + d * cfg.attn_out_bias + qk_norms
                            + cfg.num_heads * cfg.attention_sinks)
+    if cfg.attention == "mla":
+        attention_and_norms = (_mla_matrices(cfg) + _mla_vectors(cfg) + (2 + 2 * cfg.post_norms) * _norm_params(cfg)
+                               + d * cfg.attn_out_bias)
     layers = sum(attention_and_norms + _ffn_params(cfg, i, active) for i in range(cfg.num_layers))
     final_norm = _norm_params(cfg) if cfg.norm_position == "pre" else 0
     lm_head = 0 if cfg.tie_embeddings else d * cfg.vocab_size  # tied: the embedding matrix is the head
@@ -77,10 +98,15 @@ def forward_flops(cfg: ModelConfig, seq_len: int, batch_size: int = 1) -> dict:
     tokens = batch_size * seq_len
     d, layers = cfg.d_model, cfg.num_layers
     d_q, d_kv = cfg.num_heads * cfg.d_head, cfg.kv_heads * cfg.d_head
+    projections = layers * 2 * tokens * d * (2 * d_q + 2 * d_kv)
+    pv = d_q  # (MLA: P·V over the values' own width)
+    if cfg.attention == "mla":  # (every projection weight is one multiply-add per token)
+        projections = layers * 2 * tokens * _mla_matrices(cfg)
+        pv = cfg.num_heads * cfg.v_dim
     out = {
-        "attention_projections": layers * 2 * tokens * d * (2 * d_q + 2 * d_kv),
-        # QKᵀ: [seq, d_head] x [d_head, seq] per head, then P·V: [seq, seq] x [seq, d_head] per head
-        "attention_matmuls": layers * 2 * 2 * batch_size * seq_len * seq_len * d_q,
+        "attention_projections": projections,
+        # QKᵀ: [seq, d_head] x [d_head, seq] per head, then P·V: [seq, seq] x [seq, d_v] per head
+        "attention_matmuls": layers * 2 * batch_size * seq_len * seq_len * (d_q + pv),
         "ffn": sum(2 * tokens * _ffn_params(cfg, i, active=True) for i in range(layers)),
         "lm_head": 2 * tokens * d * cfg.vocab_size,
     }
@@ -94,10 +120,11 @@ def training_flops(cfg: ModelConfig, seq_len: int, batch_size: int = 1, steps: i
 
 
 def kv_cache_bytes(cfg: ModelConfig, seq_len: int, batch_size: int = 1, dtype: str = "bf16") -> int:
-    """Bytes of a full KV cache: keys and values of every layer, ``kv_heads × d_head`` per token each."""
+    """Bytes of a full KV cache: keys and values of every layer, ``kv_heads × d_head`` per token each (MLA: each
+    head's expanded key and value, ``heads × (d_qk + d_v)`` per token, what the model caches)."""
     if dtype not in _BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; one of {sorted(_BYTES)}")
-    return 2 * cfg.num_layers * batch_size * seq_len * cfg.kv_heads * cfg.d_head * _BYTES[dtype]
+    return cfg.num_layers * batch_size * seq_len * cfg.kv_heads * (cfg.d_head + cfg.v_dim) * _BYTES[dtype]
 
 
 def activation_elements(cfg: ModelConfig, seq_len: int, batch_size: int = 1) -> dict:
