@@ -252,6 +252,20 @@ def attention_variant_rows(device, copy_bw, smoke=False, time_left=lambda: 1e9):
             out = flash_attention(q, k, v, True, softcap=cap)
             out.backward(torch.ones_like(out))
         timed("softcap", impl, capped)
+    # ---- MLA (DeepSeek-V3): queries / keys 192 wide, values 128, 16 heads, against d 128 at the same heads, fwd + bwd;
+    # TFLOP/s from each shape's own matmul FLOPs (causal: half of 2·(d_qk + d_v) per pair forward, 2.5x for the
+    # backward), target: MLA at the TFLOP/s of d 128
+    for impl, (d_qk, d_v) in (("tritonlm-mla", (24, 16) if smoke else (192, 128)),
+                              ("tritonlm-d128-16h", (16, 16) if smoke else (128, 128))):
+        heads = 4 if smoke else 16
+        q, k = (torch.randn(2, heads, seq, d_qk, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+        v = torch.randn(2, heads, seq, d_v, device=device, dtype=dtype, requires_grad=True)
+
+        def latent(q=q, k=k, v=v):
+            out = flash_attention(q, k, v, True)
+            out.backward(torch.ones_like(out))
+        flops = 3.5 * 2 * (d_qk + d_v) * 2 * heads * seq * seq / 2  # (fwd+bwd, QKᵀ and PV, batch 2, causal)
+        timed("mla", impl, latent, TFLOPs=lambda ms, f=flops: f / ms / 1e9)
     # ---- gpt-oss's attention sinks (one logit per head, folded in the epilogue; their gradient a per-head sum)
     sink_logits = torch.randn(h_q, device=device, requires_grad=True)
     for impl, sinks in (("tritonlm-no-sinks", None), ("tritonlm-sinks", sink_logits)):
@@ -355,18 +369,29 @@ def moe_rows(device, smoke=False, time_left=lambda: 1e9):
 
     dtype = torch.float32 if smoke else torch.bfloat16
     # (tokens, H, I, experts, top-k, gpt-oss's options): Mixtral-8x7B, Qwen3-MoE-like, gpt-oss-20b's layer
-    shapes = [(48, 32, 40, 5, 2, False), (40, 24, 20, 6, 2, True)] if smoke else [
-        (8192, 4096, 14336, 8, 2, False), (8192, 2048, 768, 128, 8, False), (8192, 2880, 2880, 32, 4, True)]
+    # (the sigmoid-routed DeepSeek-V3 / GLM-4.5-Air layer: its router's weights, groups and correction bias)
+    shapes = [(48, 32, 40, 5, 2, False), (40, 24, 20, 6, 2, True), (40, 24, 12, 8, 3, "sigmoid")] if smoke else [
+        (8192, 4096, 14336, 8, 2, False), (8192, 2048, 768, 128, 8, False), (8192, 2880, 2880, 32, 4, True),
+        (8192, 4096, 1408, 128, 8, "sigmoid")]
     impls = {**moe_baselines(device), "tritonlm": moe_experts}
     rows = []
     for tokens, d_model, d_ff, experts, top_k, gpt_oss in shapes:
         if time_left() < 60:
             break
-        shape = f"T{tokens} H{d_model} I{d_ff} E{experts} K{top_k}" + (" gpt-oss" if gpt_oss else "")
+        sigmoid, gpt_oss = gpt_oss == "sigmoid", gpt_oss is True
+        shape = f"T{tokens} H{d_model} I{d_ff} E{experts} K{top_k}" + (" gpt-oss" if gpt_oss else "") + \
+            (" sigmoid-routed" if sigmoid else "")
         hidden = torch.randn(tokens, d_model, device=device, dtype=dtype, requires_grad=True)
         logits = torch.randn(tokens, experts, device=device)
         weights, index = torch.softmax(logits, -1).topk(top_k, -1)
         weights = (weights / weights.sum(-1, keepdim=True)).to(dtype).requires_grad_()
+        if sigmoid:  # DeepSeek-V3's routing: 8 groups, 4 kept, a correction bias, weights x 2.5 (fp32)
+            from tritonlm.modules.functional import moe_router
+            _, weights, index = moe_router(hidden.detach(), torch.randn(experts, d_model, device=device) * 0.02,
+                                           top_k, scoring="sigmoid", n_group=8 if experts % 8 == 0 else 1,
+                                           topk_group=4 if experts % 8 == 0 else 1, routed_scaling_factor=2.5,
+                                           choice_bias=torch.randn(experts, device=device) * 0.01)
+            weights = weights.requires_grad_()
         gate_up = (torch.randn(experts, 2 * d_ff, d_model, device=device, dtype=dtype) / d_model**0.5).requires_grad_()
         down = (torch.randn(experts, d_model, d_ff, device=device, dtype=dtype) / d_ff**0.5).requires_grad_()
         opts = {}

@@ -7,6 +7,8 @@ Each group is one comparison in one process, forward + backward (decoding: forwa
   kernel, vs SDPA with an explicit block-diagonal mask, and flex-attention's document mask when importable.
   Target: varlen no slower than padded.
 - softcap: Gemma 2's attention logit softcap (50) vs none, forward + backward. Target: <= 1.15x the time.
+- mla: DeepSeek-V3's attention shape (queries / keys 192 wide, values 128, 16 heads) vs d 128 at the same heads,
+  forward + backward; ``extra_info`` carries each shape's TFLOP/s. Target: MLA at the TFLOP/s of d 128.
 - sinks: gpt-oss's attention sinks (one logit per head) vs none, forward + backward, and decoding against a cache
   (split-KV: the sink in the combine). Target: <= 1.05x the time.
 - decoding: one query against an 8K / 32K KV cache (batch 1 / 4 / 8) through the split-KV path vs SDPA;
@@ -112,6 +114,20 @@ def test_softcap_fwd_bwd(benchmark, softcap):
     q, k, v = (torch.randn(2, h, SEQ, D, device=DEVICE, dtype=DTYPE, requires_grad=True) for _ in range(3))
     mean = run(benchmark, _fwd_bwd(lambda q, k, v: flash_attention(q, k, v, True, softcap=softcap), (q, k, v)))
     flops = 3.5 * 4 * 2 * h * SEQ * SEQ * D / 2
+    benchmark.extra_info.update({"device": MACHINE.get()["device"], "TFLOP/s": round(flops / mean / 1e12, 3)})
+
+
+@pytest.mark.parametrize("impl", ["tritonlm-mla", "tritonlm-d128", "sdpa-mla"])
+def test_mla_fwd_bwd(benchmark, impl):
+    """Values narrower than queries / keys (never padded in memory) against the plain d 128 kernel at 16 heads."""
+    heads = 16 if ON_GPU else 4
+    d_qk, d_v = ((192, 128) if ON_GPU else (24, 16)) if impl != "tritonlm-d128" else (D, D)
+    q, k = (torch.randn(2, heads, SEQ, d_qk, device=DEVICE, dtype=DTYPE, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, heads, SEQ, d_v, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    fn = (lambda q, k, v: TF.scaled_dot_product_attention(q, k, v, is_causal=True)) if impl == "sdpa-mla" \
+        else (lambda q, k, v: flash_attention(q, k, v, True))
+    mean = run(benchmark, _fwd_bwd(fn, (q, k, v)))
+    flops = 3.5 * 2 * (d_qk + d_v) * 2 * heads * SEQ * SEQ / 2  # (fwd+bwd, QKᵀ and PV, batch 2, causal)
     benchmark.extra_info.update({"device": MACHINE.get()["device"], "TFLOP/s": round(flops / mean / 1e12, 3)})
 
 

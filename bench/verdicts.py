@@ -64,6 +64,9 @@ def verdicts(report) -> list[dict]:
     if "tritonlm-softcap" in variants and "tritonlm-no-softcap" in variants:
         t = variants["tritonlm-softcap"]["ms"] / variants["tritonlm-no-softcap"]["ms"]
         add("attention with a logit softcap (Gemma 2) <= 1.15x the time without", t <= 1.15, f"{t:.2f}x")
+    if "tritonlm-mla" in variants and "tritonlm-d128-16h" in variants:
+        s = variants["tritonlm-mla"]["TFLOPs"] / variants["tritonlm-d128-16h"]["TFLOPs"]
+        add("MLA attention (d_qk 192, d_v 128) fwd+bwd at the TFLOP/s of d 128", s >= 0.95, f"{s:.2f}x d 128's")
     if "tritonlm-sinks" in variants and "tritonlm-no-sinks" in variants:
         t = variants["tritonlm-sinks"]["ms"] / variants["tritonlm-no-sinks"]["ms"]
         add("attention with sinks (gpt-oss) <= 1.05x the time without", t <= 1.05, f"{t:.2f}x")

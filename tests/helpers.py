@@ -162,7 +162,10 @@ def hf_grads(model) -> dict:
     from tritonlm.hf.family import family
 
     cfg = model.config
-    grads = state_to_hf({n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}, cfg)
+    # (buffers saved with the model, DeepSeek-V3's correction bias, have no gradient: zeros in their place)
+    state = {n: torch.zeros_like(t) for n, t in model.state_dict().items()}
+    state.update({n: p.grad for n, p in model.named_parameters(remove_duplicate=False)})
+    grads = state_to_hf(state, cfg)
     weights = family(cfg.model_type).weights
     for i in range(cfg.num_layers):
         if not cfg.is_moe_layer(i) or weights.expert_format != "stacked":

@@ -212,13 +212,28 @@ def layer_names(cfg: ModelConfig, i: int) -> dict[str, str]:
     keys = {"ln1.weight": "input_layernorm.weight", "attn.q_proj.weight": "self_attn.q_proj.weight",
             "attn.k_proj.weight": "self_attn.k_proj.weight", "attn.v_proj.weight": "self_attn.v_proj.weight",
             "attn.output_proj.weight": "self_attn.o_proj.weight", "ln2.weight": "post_attention_layernorm.weight"}
+    if cfg.attention == "mla":  # (DeepSeek's names: the latent attention's own tensors)
+        del keys["attn.q_proj.weight"], keys["attn.k_proj.weight"], keys["attn.v_proj.weight"]
+        if cfg.q_lora_rank is None:
+            keys["attn.q_proj.weight"] = "self_attn.q_proj.weight"
+        else:
+            keys.update({"attn.q_a_proj.weight": "self_attn.q_a_proj.weight",
+                         "attn.q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+                         "attn.q_b_proj.weight": "self_attn.q_b_proj.weight"})
+            if cfg.qkv_bias:
+                keys["attn.q_a_proj.bias"] = "self_attn.q_a_proj.bias"
+        keys.update({"attn.kv_a_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+                     "attn.kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+                     "attn.kv_b_proj.weight": "self_attn.kv_b_proj.weight"})
+        if cfg.qkv_bias:
+            keys["attn.kv_a_proj.bias"] = "self_attn.kv_a_proj_with_mqa.bias"
     if not moe:
         keys.update({"ffn.w1.weight": "mlp.gate_proj.weight", "ffn.w2.weight": "mlp.down_proj.weight",
                      "ffn.w3.weight": "mlp.up_proj.weight"})
         if cfg.mlp_bias:
             keys.update({f"ffn.{ours}.bias": f"mlp.{theirs}.bias"
                          for ours, theirs in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))})
-    if cfg.qkv_bias:
+    if cfg.qkv_bias and cfg.attention != "mla":
         keys.update({f"attn.{p}_proj.bias": f"self_attn.{p}_proj.bias" for p in ("q", "k", "v")})
     if cfg.attn_out_bias:
         keys["attn.output_proj.bias"] = "self_attn.o_proj.bias"
@@ -231,8 +246,9 @@ def layer_names(cfg: ModelConfig, i: int) -> dict[str, str]:
     if moe and cfg.shared_expert_d_ff:
         keys.update({"ffn.shared_expert.w1.weight": "mlp.shared_expert.gate_proj.weight",
                      "ffn.shared_expert.w2.weight": "mlp.shared_expert.down_proj.weight",
-                     "ffn.shared_expert.w3.weight": "mlp.shared_expert.up_proj.weight",
-                     "ffn.shared_expert_gate.weight": "mlp.shared_expert_gate.weight"})
+                     "ffn.shared_expert.w3.weight": "mlp.shared_expert.up_proj.weight"})
+        if cfg.shared_expert_gate:
+            keys["ffn.shared_expert_gate.weight"] = "mlp.shared_expert_gate.weight"
     record = family(cfg.model_type)
     keys.update({ours: theirs for ours, theirs in record.weights.names.items() if ours in keys})
     unnamed = [ours for ours, theirs in keys.items() if theirs is None]
@@ -288,6 +304,8 @@ def state_from_hf(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
     """HF tensors -> this library's ``state_dict`` (q/k rows permuted to interleaved RoPE pairs where the family's
     layout is half-split)."""
     hf_state = {k: v for k, v in hf_state.items() if not k.endswith("rotary_emb.inv_freq")}  # old files carry it
+    if family(cfg.model_type).weights.mtp_layers:
+        hf_state = _without_mtp_layers(hf_state, cfg)
     order = rope_row_order(cfg)
     hf_state = _split_fused(hf_state, cfg)
     state, used = {}, set()
@@ -311,6 +329,20 @@ def state_from_hf(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
     return state
 
 
+def _without_mtp_layers(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The tensors of the causal LM: multi-token-prediction layers (``model.layers.{i}.*`` with ``i`` past the last
+    layer) left out, as transformers leaves them out, and said in the log."""
+    def layer(key: str) -> int:
+        parts = key.split(".")
+        return int(parts[2]) if key.startswith("model.layers.") and parts[2].isdigit() else -1
+
+    extra = {k for k in hf_state if layer(k) >= cfg.num_layers}
+    if extra:
+        logger.info("skipping %d tensors of multi-token-prediction layers %s (not part of the causal LM)", len(extra),
+                    sorted({layer(k) for k in extra}))
+    return {k: v for k, v in hf_state.items() if k not in extra}
+
+
 def _experts_from_hf(hf_state: dict, layer: str, cfg: ModelConfig, used: set, ours: str) -> dict:
     """One MoE layer's router and experts, from per-expert tensors (the family's block and names, or the other
     common ones) or stacked ones (``mlp.experts.gate_up_proj`` / ``down_proj``), into the stacked ``[E, 2I, H]`` /
@@ -330,6 +362,8 @@ def _experts_from_hf(hf_state: dict, layer: str, cfg: ModelConfig, used: set, ou
         return hf_state[key]
 
     out = {f"{ours}.router.weight": take(f"{block}.gate.weight")}
+    if cfg.router_choice_bias:  # (DeepSeek-V3's e_score_correction_bias)
+        out[f"{ours}.choice_bias"] = take(f"{block}.gate.e_score_correction_bias")
     if f"{block}.experts.gate_up_proj" in hf_state:
         out[f"{ours}.experts.gate_up_proj"] = take(f"{block}.experts.gate_up_proj")
         out[f"{ours}.experts.down_proj"] = take(f"{block}.experts.down_proj")
@@ -394,6 +428,8 @@ def state_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
             block = f"model.layers.{i}.{weights.expert_block}"
             gate_name, up_name, down_name = weights.expert_names
             out[f"{block}.gate.weight"] = state[f"layers.{i}.ffn.router.weight"]
+            if cfg.router_choice_bias:
+                out[f"{block}.gate.e_score_correction_bias"] = state[f"layers.{i}.ffn.choice_bias"]
             gate_up, down = state[f"layers.{i}.ffn.experts.gate_up_proj"], state[f"layers.{i}.ffn.experts.down_proj"]
             d_ff = cfg.expert_d_ff
             for j in range(cfg.num_experts):

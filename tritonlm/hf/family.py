@@ -121,13 +121,16 @@ class Weights:
     (gpt-oss: ``router.weight`` /
     ``router.bias``, ``experts.gate_up_proj [E, H, 2I]`` with gate and up columns interleaved and its bias,
     ``experts.down_proj [E, I, H]`` and its bias: transposed on load into the model's stacked layout and back on
-    save)."""
+    save). ``mtp_layers``: the file may hold multi-token-prediction layers past ``num_hidden_layers``
+    (DeepSeek-V3, GLM-4.5), which are not part of the causal LM and are skipped on load, as transformers skips
+    them."""
     names: Mapping[str, str] = field(default_factory=dict)
     rope_layout: str = "half"
     fused: tuple[Fused, ...] = ()
     expert_block: str = "mlp"
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     expert_format: str = "stacked"
+    mtp_layers: bool = False
 
 
 def no_logit_transform(config) -> dict:

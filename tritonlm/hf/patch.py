@@ -206,6 +206,7 @@ def tritonlm_attention(module, query, key, value, attention_mask, dropout: float
                                       sliding_window=sliding_window, **kwargs)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [b, s, heads, d] views
     batch, n_q, heads, d = q.shape
+    d_v = v.shape[-1]  # (MLA: the values' own head size; the output has it)
     n_k = k.shape[1]
     window = (sliding_window - 1, 0) if sliding_window and n_k > sliding_window else (-1, -1)
     opts = dict(softmax_scale=scaling, causal=True, window_size=window, softcap=softcap or 0.0, sinks=s_aux)
@@ -218,9 +219,9 @@ def tritonlm_attention(module, query, key, value, attention_mask, dropout: float
             raise ValueError("tritonlm attention: packed flash-attention kwargs need cu_seq_lens_q, cu_seq_lens_k, "
                              "max_length_q and max_length_k together")
         out = flash_attn_varlen_func(
-            q.reshape(batch * n_q, heads, d), k.reshape(batch * n_k, -1, d), v.reshape(batch * n_k, -1, d),
+            q.reshape(batch * n_q, heads, d), k.reshape(batch * n_k, -1, d), v.reshape(batch * n_k, -1, d_v),
             cu_q.to(torch.int32), cu_k.to(torch.int32), kwargs["max_length_q"], kwargs["max_length_k"], **opts)
-        return out.view(batch, n_q, heads, d), None
+        return out.view(batch, n_q, heads, d_v), None
     if attention_mask is None:
         return flash_attn_func(q, k, v, **opts), None
     if attention_mask.dim() != 2 or attention_mask.dtype != torch.int32 or attention_mask.shape[1] != n_k:
@@ -230,9 +231,9 @@ def tritonlm_attention(module, query, key, value, attention_mask, dropout: float
     q_index, k_index, cu_q, cu_k, max_q, max_k = _packing(attention_mask, n_q)
     packed = flash_attn_varlen_func(
         q.reshape(batch * n_q, heads, d)[q_index], k.reshape(batch * n_k, -1, d)[k_index],
-        v.reshape(batch * n_k, -1, d)[k_index], cu_q, cu_k, max_q, max_k, **opts)
-    out = q.new_zeros(batch * n_q, heads, d).index_copy(0, q_index, packed)  # padded queries: zeros
-    return out.view(batch, n_q, heads, d), None
+        v.reshape(batch * n_k, -1, d_v)[k_index], cu_q, cu_k, max_q, max_k, **opts)
+    out = q.new_zeros(batch * n_q, heads, d_v).index_copy(0, q_index, packed)  # padded queries: zeros
+    return out.view(batch, n_q, heads, d_v), None
 
 
 def _eager_attention(module, query, key, value, mask, dropout, scaling, sliding_window, softcap, **kwargs):
