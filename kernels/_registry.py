@@ -56,10 +56,18 @@ class SweepCase:
 
 @dataclass(frozen=True)
 class SassLaunch:
-    """One report row: the ``index``-th kernel launch a :class:`SassCase` captures, its label and FLOPs."""
+    """One report row: the ``index``-th kernel launch a :class:`SassCase` captures, its label and FLOPs.
+
+    ``unit`` names the work one iteration of the kernel's main loop does (``"key"``, ``"logit"``, ...) and
+    ``per_iteration(constexprs)`` how many units that is at the launch's configuration; with ``per_warp`` the report
+    counts warp-instructions (the loop's instructions times the launch's warps) per unit, else instructions per
+    unit as one warp issues them (attention's convention: per key, for the tile's query rows)."""
     kernel: str
     index: int = 0
     flops: int = 0
+    unit: str = ""
+    per_iteration: Callable[[dict], int] | None = None
+    per_warp: bool = False
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,7 @@ class SassCase:
     launches: tuple[SassLaunch, ...]
     bytes_moved: int | None = None
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    shipped: bool = True  # False: a sweep alternative's configuration, shown as evidence (never launched by default)
 
 
 @dataclass(frozen=True)

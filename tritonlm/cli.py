@@ -386,21 +386,24 @@ def cmd_kernels(args) -> int:
     from .kernel_report import format_markdown, run_report
 
     archs = ("sm_90", "sm_80") if args.arch == "all" else (args.arch,)
-    rows = run_report(archs, quick=args.quick, progress=not args.json)
+    rows = run_report(archs, quick=args.quick, progress=not args.json, sass_dir=args.sass_dir)
     if args.json:
         print(json.dumps([r.to_dict() for r in rows], indent=1))
     else:
         hdr = ["kernel", "case", "arch", "config", "regs", "smem", "dyn smem", "CTAs/SM", "spill",
-               "SASS (tensor-core, LDG/STG by bits, async)", "roofline µs H100/H200"]
+               "SASS (tensor-core, LDG/STG by bits, async)", "main loop", "per unit", "roofline µs H100/H200"]
         table = []
         for r in rows:
             if r.error:
                 table.append([r.kernel, r.case, r.arch, r.config, "-", "-", "-", "-", "-", "COMPILE ERROR " + r.error,
-                              "-"])
+                              "-", "-", "-"])
                 continue
             sass = " ".join(f"{k}:{v}" for k, v in r.sass.items() if k not in ("LDS", "STS"))
             table.append([r.kernel, r.case, r.arch, r.config, str(r.registers), str(r.shared_bytes),
-                          str(r.dynamic_smem_bytes), str(r.ctas_per_sm), str(r.spill_bytes), sass, f"{r.roofline_us['H100']}/{r.roofline_us['H200']}"])
+                          str(r.dynamic_smem_bytes), str(r.ctas_per_sm), str(r.spill_bytes), sass,
+                          str(r.loop_instructions or "-"),
+                          "-" if r.instructions_per_unit is None else f"{r.instructions_per_unit}/{r.unit}",
+                          f"{r.roofline_us['H100']}/{r.roofline_us['H200']}"])
         print("static analysis of compiled kernels (not measured speed)")
         print(_table(table, hdr))
     if args.markdown:
@@ -517,6 +520,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="bf16 only, hidden 4096, attention d 64/128")
     p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     p.add_argument("--markdown", help="also write the report as Markdown to this path")
+    p.add_argument("--sass-dir", help="also write each row's compiled SASS to a file of its own in this directory "
+                                      "(named in the JSON rows' sass_file)")
     p.set_defaults(func=cmd_kernels)
     return parser
 

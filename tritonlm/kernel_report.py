@@ -42,6 +42,10 @@ class Launch:
     flops: int = 0
     dot_precision: str | None = None  # fp32 attention: the DOT_PRECISION ("ieee" / "tf32") its tl.dots take
     fp_fusion: bool | None = None  # the launch's enable_fp_fusion (None: Triton's default)
+    unit: str = ""  # the work of one main-loop iteration (SassLaunch.unit) and how many of them
+    units_per_iteration: int = 0
+    per_warp: bool = False
+    shipped: bool = True
 
 
 @dataclass
@@ -60,6 +64,17 @@ class Row:
     dynamic_smem_bytes: int = 0
     ctas_per_sm: int = 0
     error: str | None = None
+    # loops of the SASS (backward branches): the main loop (the first innermost one: the steady-state tiles, before
+    # any masked edge loop), every innermost loop in program order, and all loops together (outermost ones, so
+    # nested code counts once)
+    loop_instructions: int = 0
+    loops: list = field(default_factory=list)
+    all_loop_instructions: int = 0
+    unit: str = ""
+    instructions_per_unit: float | None = None
+    all_loops_per_unit: float | None = None
+    shipped: bool = True
+    sass_file: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -122,6 +137,10 @@ def representative_launches(quick: bool = False, arch: str = "sm_90") -> list[La
                 launch = _to_launch(row.kernel, case.case, calls[row.index], flops=row.flops)
                 if case.bytes_moved is not None:
                     launch.bytes_moved = case.bytes_moved
+                launch.shipped = case.shipped
+                if row.per_iteration is not None:
+                    launch.unit, launch.per_warp = row.unit, row.per_warp
+                    launch.units_per_iteration = int(row.per_iteration(launch.constexprs))
                 out.append(launch)
     return out
 
@@ -191,6 +210,36 @@ def _sass_counts(sass: str) -> dict:
     return dict(sorted(counts.items()))
 
 
+_SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,5})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Za-z0-9_.]+)([^;]*);", re.M)
+
+
+def sass_loops(sass: str) -> list[tuple[int, int]]:
+    """The loops of one kernel's SASS as ``(first, last)`` instruction addresses: a branch back to an earlier
+    address closes a loop from its target to itself (a branch to itself, the trap after EXIT, is none)."""
+    loops = []
+    for m in _SASS_LINE.finditer(sass):
+        address, op, operands = int(m.group(1), 16), m.group(2), m.group(3)
+        if op.split(".")[0] != "BRA":
+            continue
+        target = re.search(r"0x([0-9a-f]+)", operands)
+        if target and int(target.group(1), 16) < address:
+            loops.append((int(target.group(1), 16), address))
+    return loops
+
+
+def loop_figures(sass: str) -> tuple[int, list[int], int]:
+    """``(main, innermost, all)``: instructions of the main loop (the first innermost loop in program order),
+    of every innermost loop (none nested inside it), and of all loops counted once (the outermost ones). SASS
+    instructions are 16 bytes apart."""
+    loops = sass_loops(sass)
+    size = lambda lo, hi: (hi - lo) // 16 + 1  # noqa: E731
+    inner = sorted((lo, hi) for lo, hi in loops
+                   if not any((a, b) != (lo, hi) and lo <= a and b <= hi for a, b in loops))
+    outer = [(lo, hi) for lo, hi in loops if not any((a, b) != (lo, hi) and a <= lo and hi <= b for a, b in loops)]
+    sizes = [size(lo, hi) for lo, hi in inner]
+    return (sizes[0] if sizes else 0), sizes, sum(size(lo, hi) for lo, hi in set(outer))
+
+
 @functools.cache
 def _compile_cached(fn, sig_items, const_items, attr_items, arch: int, num_warps: int, num_stages: int,
                     fp_fusion: bool | None = None):
@@ -232,15 +281,22 @@ def ctas_per_sm(arch: int, registers: int, num_warps: int, smem_bytes: int) -> i
     return max(0, min(by_regs, by_smem, threads_sm // (32 * num_warps), cta_cap))
 
 
-def analyze(launch: Launch, arch: str) -> Row:
-    """Compile one captured launch for ``arch`` (``sm_90``/``sm_80``) and summarise its cubin."""
+def _per_unit(instructions: int, launch: Launch) -> float | None:
+    if not launch.units_per_iteration or not instructions:
+        return None
+    return round(instructions * (launch.num_warps if launch.per_warp else 1) / launch.units_per_iteration, 3)
+
+
+def analyze(launch: Launch, arch: str, sass_dir: str | None = None) -> Row:
+    """Compile one captured launch for ``arch`` (``sm_90``/``sm_80``) and summarise its cubin; with ``sass_dir``
+    its SASS is written to a file of its own there (named in the row's ``sass_file``)."""
     cfg = ", ".join(f"{k}={v}" for k, v in launch.constexprs.items() if k.isupper() and k != "DOT_PRECISION")
     cfg = f"{cfg}, warps={launch.num_warps}, stages={launch.num_stages}" + (
         f", dot={launch.dot_precision}" if launch.dot_precision else "")
     roof = {gpu: round(max(launch.bytes_moved / bw, launch.flops / peak) * 1e6, 2)
             for gpu, (bw, peak) in ROOFLINE.items()}
     row = Row(launch.kernel, launch.case, arch, cfg, 0, 0, 0, bytes_moved=launch.bytes_moved,
-              flops=launch.flops, roofline_us=roof)
+              flops=launch.flops, roofline_us=roof, unit=launch.unit, shipped=launch.shipped)
     sig, const, attrs = _specialise(launch)
     fn = launch.fn.fn if hasattr(launch.fn, "fn") and not hasattr(launch.fn, "params") else launch.fn
     try:
@@ -259,14 +315,25 @@ def analyze(launch: Launch, arch: str) -> Row:
     row.dynamic_smem_bytes = dynamic_smem
     row.ctas_per_sm = ctas_per_sm(ARCHS[arch], row.registers, launch.num_warps, dynamic_smem + row.shared_bytes)
     row.sass = _sass_counts(sass)
+    row.loop_instructions, row.loops, row.all_loop_instructions = loop_figures(sass)
+    row.instructions_per_unit = _per_unit(row.loop_instructions, launch)
+    row.all_loops_per_unit = _per_unit(row.all_loop_instructions, launch)
+    if sass_dir is not None:
+        name = re.sub(r"[^A-Za-z0-9_.+-]+", "_", f"{launch.kernel}__{launch.case}__{arch}")[:180] + ".sass"
+        os.makedirs(sass_dir, exist_ok=True)
+        path = os.path.join(sass_dir, name)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(f"// {launch.kernel} | {launch.case} | {arch} | {cfg}\n{sass}")
+        row.sass_file = path
     return row
 
 
-def run_report(archs=("sm_90", "sm_80"), quick: bool = False, progress: bool = False) -> list[Row]:
+def run_report(archs=("sm_90", "sm_80"), quick: bool = False, progress: bool = False,
+               sass_dir: str | None = None) -> list[Row]:
     from tqdm.auto import tqdm
 
     jobs = [(launch, arch) for arch in archs for launch in representative_launches(quick, arch)]
-    return [analyze(launch, arch) for launch, arch in tqdm(jobs, desc="compile", disable=not progress)]
+    return [analyze(launch, arch, sass_dir) for launch, arch in tqdm(jobs, desc="compile", disable=not progress)]
 
 
 def format_markdown(rows: list[Row], title: str = "Kernel SASS report") -> str:
@@ -282,13 +349,18 @@ def format_markdown(rows: list[Row], title: str = "Kernel SASS report") -> str:
              f"Triton {triton.__version__}, torch {torch.__version__}. Roofline: compulsory HBM bytes / bandwidth "
              "or FLOPs / 989 TFLOP/s, whichever is larger (H100 3.35 TB/s, H200 4.8 TB/s); attention FLOPs count "
              "the causal half.", "",
+             "Main loop: the instructions of the kernel's first innermost loop (its steady-state tiles; every loop "
+             "the SASS holds in brackets, each counted once) and per unit of work: per key for attention (as one "
+             "warp issues them, for the tile's query rows), warp-instructions per logit / element for the others. "
+             "Rows marked *alt* are sweep alternatives (evidence, not launched by default).", "",
              "| kernel | case | arch | config | regs | smem (static) | dynamic smem | CTAs/SM | spill (stack+local) "
-             "| tensor-core | global loads | global stores | async copies | roofline H100 / H200 (µs) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| tensor-core | global loads | global stores | async copies | main loop (all loops) | per unit "
+             "| roofline H100 / H200 (µs) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.error:
             lines.append(f"| {r.kernel} | {r.case} | {r.arch} | {r.config} | **compile error**: {r.error} "
-                         "| | | | | | | | | |")
+                         "| | | | | | | | | | | |")
             continue
         tc = ", ".join(f"{k} {v}" for k, v in r.sass.items() if k in ("HGMMA", "HMMA", "TF32")) or "-"
         ld = ", ".join(f"{k.split('.')[1]}b×{v}" for k, v in r.sass.items() if k.startswith("LDG.")) or "-"
@@ -296,6 +368,11 @@ def format_markdown(rows: list[Row], title: str = "Kernel SASS report") -> str:
         asy = ", ".join(f"{k} {v}" for k, v in r.sass.items() if k in ("LDGSTS", "UTMALDG", "UBLKCP")) or "-"
         spill = f"{r.spill_bytes} B" + (f" (LDL {r.sass.get('LDL', 0)}, STL {r.sass.get('STL', 0)})"
                                        if r.spill_bytes else "")
-        lines.append(f"| {r.kernel} | {r.case} | {r.arch} | {r.config} | {r.registers} | {r.shared_bytes} | "
-                     f"{r.dynamic_smem_bytes} | {r.ctas_per_sm} | {spill} | {tc} | {ld} | {st} | {asy} | {r.roofline_us['H100']} / {r.roofline_us['H200']} |")
+        loops = f"{r.loop_instructions} ({r.all_loop_instructions})" if r.loops else "-"
+        unit = (f"{r.instructions_per_unit} / {r.unit} ({r.all_loops_per_unit})"
+                if r.instructions_per_unit is not None else "-")
+        kernel = r.kernel if r.shipped else f"{r.kernel} *alt*"
+        lines.append(f"| {kernel} | {r.case} | {r.arch} | {r.config} | {r.registers} | {r.shared_bytes} | "
+                     f"{r.dynamic_smem_bytes} | {r.ctas_per_sm} | {spill} | {tc} | {ld} | {st} | {asy} | {loops} | "
+                     f"{unit} | {r.roofline_us['H100']} / {r.roofline_us['H200']} |")
     return "\n".join(lines) + "\n"

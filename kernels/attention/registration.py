@@ -20,7 +20,15 @@ from .launch import (
     parse_key,
 )
 
-L = _registry.SassLaunch
+
+def L(kernel: str, index: int = 0, flops: int = 0) -> _registry.SassLaunch:
+    """A report row with its unit of work: a key per main-loop step of the forward, dQ and decode kernels (BLOCK_N
+    keys a step), a query for the dK/dV kernels (BLOCK_M queries a step); none for the combine and preprocess."""
+    if kernel.endswith(("combine", "preprocess")):
+        return _registry.SassLaunch(kernel, index, flops)
+    if "dkdv" in kernel:
+        return _registry.SassLaunch(kernel, index, flops, "query", lambda c: c["BLOCK_M"])
+    return _registry.SassLaunch(kernel, index, flops, "key", lambda c: c["BLOCK_N"])
 
 
 def _causal_pairs(n: int) -> int:
@@ -106,15 +114,15 @@ def _sass_cases(quick: bool) -> list[_registry.SassCase]:
     atomic16 = lambda: flash_attention_backward(q16, q16, q16, q16, q16, lse16, True, 0.1, deterministic=False)  # noqa: E731
     cases += [
         _registry.SassCase(plain + " (BLOCK_N 128)", fwd16, (L("attention.fwd_n128", 0, 4 * flops16),),
-                           context=lambda: tuned.override("attention_fwd", BLOCK_N=128, num_stages=2)),
+                           context=lambda: tuned.override("attention_fwd", BLOCK_N=128, num_stages=2), shipped=False),
         _registry.SassCase(plain + " (FOLD_SCALE 0)", fwd16, (L("attention.fwd_scaled_first", 0, 4 * flops16),),
-                           context=lambda: tuned.override("attention_fwd", FOLD_SCALE=0)),
+                           context=lambda: tuned.override("attention_fwd", FOLD_SCALE=0), shipped=False),
         _registry.SassCase(plain + " (dQ 128x64)", bwd16, (L("attention.bwd_dq_m128", 2, 6 * flops16),),
-                           context=lambda: tuned.override("attention_bwd_dq", BLOCK_M=128, BLOCK_N=64)),
+                           context=lambda: tuned.override("attention_bwd_dq", BLOCK_M=128, BLOCK_N=64), shipped=False),
         _registry.SassCase(plain + " (64x32)", atomic16, (L("attention.bwd_dkdv_atomic_dq_m64n32", 1, 10 * flops16),),
-                           context=lambda: tuned.override("attention_bwd", BLOCK_M=64, BLOCK_N=32)),
+                           context=lambda: tuned.override("attention_bwd", BLOCK_M=64, BLOCK_N=32), shipped=False),
         _registry.SassCase(plain + " (64x64)", atomic16, (L("attention.bwd_dkdv_atomic_dq_m64n64", 1, 10 * flops16),),
-                           context=lambda: tuned.override("attention_bwd", BLOCK_M=64, BLOCK_N=64)),
+                           context=lambda: tuned.override("attention_bwd", BLOCK_M=64, BLOCK_N=64), shipped=False),
     ]
     # Gemma 2's attention logit softcap (tanh of every score, and 1 - tanh² in the backward), 16 heads
     cases += [

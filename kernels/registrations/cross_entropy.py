@@ -9,19 +9,22 @@ from ..cross_entropy_loss import cross_entropy, cross_entropy_rows
 
 
 def _sass_cases(quick: bool) -> list[_registry.SassCase]:
-    """Loss and gradient of a chunk of logits in one kernel: 4096 tokens x GPT-2's vocab."""
+    """Loss and gradient of a chunk of logits in one kernel: 4096 tokens x GPT-2's vocab (and Llama 3's, 128256);
+    warp-instructions per logit counted over the kernel's loops."""
     rows, cases = _registry.SASS_ROWS, []
     for dtype in _registry.SASS_DTYPES[:1] if quick else _registry.SASS_DTYPES:
-        meta = torch.device("meta")
-        # as linear_cross_entropy lays out a chunk: rows padded to a multiple of 16 elements
-        logits = torch.empty(rows, 50272, dtype=dtype, device=meta)[:, :50257]
-        targets = torch.empty(rows, dtype=torch.int64, device=meta)
-        scale = torch.empty(1, dtype=torch.float32, device=meta)
-        cases.append(_registry.SassCase(
-            f"{rows}x50257 {_registry.dtype_label(dtype)}",
-            lambda lg=logits, t=targets, sc=scale: cross_entropy_rows(lg, t, grad=lg, grad_scale=sc),
-            (_registry.SassLaunch("cross_entropy.fwd+grad"),),
-            bytes_moved=3 * _registry.nbytes(logits)))  # two reads of the logits, one write of the gradient
+        for vocab, padded in ((50257, 50272), (128256, 128256)):
+            meta = torch.device("meta")
+            # as linear_cross_entropy lays out a chunk: rows padded to a multiple of 16 elements
+            logits = torch.empty(rows, padded, dtype=dtype, device=meta)[:, :vocab]
+            targets = torch.empty(rows, dtype=torch.int64, device=meta)
+            scale = torch.empty(1, dtype=torch.float32, device=meta)
+            cases.append(_registry.SassCase(
+                f"{rows}x{vocab} {_registry.dtype_label(dtype)}",
+                lambda lg=logits, t=targets, sc=scale: cross_entropy_rows(lg, t, grad=lg, grad_scale=sc),
+                (_registry.SassLaunch("cross_entropy.fwd+grad", unit="logit",
+                                      per_iteration=lambda c: c["BLOCK_T"] * c["BLOCK_V"], per_warp=True),),
+                bytes_moved=3 * _registry.nbytes(logits)))  # two reads of the logits, one write of the gradient
     return cases
 
 

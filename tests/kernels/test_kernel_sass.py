@@ -50,8 +50,8 @@ def test_compiles_for_both_targets(rows):
 
 
 def _sweep_alternative(r) -> bool:
-    """Rows of a sweep candidate's configuration (the case names it in parentheses): evidence, not shipped."""
-    return r["case"].endswith(")") and "(" in r["case"] and not r["case"].endswith(("(highest)", "(high)"))
+    """Rows of a sweep candidate's configuration (the report marks them not shipped): evidence only."""
+    return not r["shipped"]
 
 
 def test_no_spills_on_sm90(rows):
@@ -206,3 +206,71 @@ def test_atomic_dq_uses_relaxed_reductions(rows):
     assert atomic
     for r in atomic:
         assert not r["sass"].get("ATOMG") and (r["sass"].get("REDG", 0) + r["sass"].get("RED", 0)) > 0, r["sass"]
+
+
+def test_sweep_alternatives_are_marked_not_shipped(rows):
+    """The rows of sweep candidates (their case names the configuration in parentheses) are marked
+    ``shipped: false``; every other row is a launch the library makes by default."""
+    for r in rows:
+        named = r["case"].endswith(")") and "(" in r["case"] and not r["case"].endswith(("(highest)", "(high)"))
+        assert r["shipped"] == (not named), (r["kernel"], r["case"])
+
+
+def test_loop_figures_of_a_hand_made_listing():
+    """Loops are read from backward branches: nested and sequential loops, a trap branch to itself (no loop), a
+    forward branch (no loop); the main loop is the first innermost one, all loops count nested code once."""
+    from tritonlm.kernel_report import loop_figures
+
+    def line(address, text):
+        return f"        /*{address:04x}*/                   {text} ;   /* 0x0 */"
+
+    listing = "\n".join([line(0x00, "MOV R1, R2"), line(0x10, "@P0 BRA 0x80"),        # forward: no loop
+                          line(0x20, "IADD3 R1, R1, 0x1, RZ"), line(0x30, "FADD R2, R2, R3"),
+                          line(0x40, "@!P1 BRA 0x30"),                                  # inner loop 0x30-0x40: 2
+                          line(0x50, "@!P2 BRA 0x20"),                                  # outer loop 0x20-0x50: 4
+                          line(0x60, "FMUL R4, R4, R4"), line(0x70, "@P3 BRA 0x60"),    # second loop: 2
+                          line(0x80, "EXIT"), line(0x90, "BRA 0x90")])                  # trap: no loop
+    main, inner, total = loop_figures(listing)
+    assert (main, inner, total) == (2, [2, 2], 4 + 2)
+
+
+def test_rows_carry_loop_figures_per_unit(rows):
+    """Each attention row with a main loop states instructions per key (per query for dK/dV); the loss per logit as
+    warp-instructions (the loop's instructions x warps / logits a step)."""
+    fwd = [r for r in _by(rows, "sm_90", "attention.fwd") if r["kernel"] == "attention.fwd"]
+    for r in fwd:
+        block_n = int(r["config"].split("BLOCK_N=")[1].split(",")[0])
+        assert r["unit"] == "key" and r["instructions_per_unit"] == round(r["loop_instructions"] / block_n, 3)
+    dkdv = _by(rows, "sm_90", "attention.bwd_dkdv")
+    assert dkdv and all(r["unit"] == "query" and r["instructions_per_unit"] > 0 for r in dkdv)
+    loss = _by(rows, "sm_90", "cross_entropy")
+    for r in loss:
+        warps = int(r["config"].split("warps=")[1].split(",")[0])
+        block = int(r["config"].split("BLOCK_V=")[1].split(",")[0])
+        assert r["unit"] == "logit"
+        assert r["all_loops_per_unit"] == round(r["all_loop_instructions"] * warps / block, 3)
+
+
+def test_plain_cross_entropy_issues_at_most_08_warp_instructions_per_logit(rows):
+    """Issue 36's target: the plain loss kernel (no smoothing, z-loss or softcap: constexpr-specialised) issues
+    <= 0.8 warp-instructions per logit counting every loop it holds, at GPT-2's and Llama 3's vocabularies, sm_90."""
+    loss = _by(rows, "sm_90", "cross_entropy")
+    assert {r["case"].split()[0] for r in loss} == {"4096x50257", "4096x128256"}
+    for r in loss:
+        assert r["all_loops_per_unit"] <= 0.8 and not r["spill_bytes"], r
+
+
+def test_sass_dir_writes_each_rows_sass(tmp_path):
+    """``--sass-dir`` writes a file per row, named in the row's ``sass_file``, holding that kernel's SASS."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    script = ("import json, sys; from tritonlm import kernel_report as kr; "
+              "ls = [l for l in kr.representative_launches(True, 'sm_90') if l.kernel == 'cross_entropy.fwd+grad']; "
+              "print(json.dumps([kr.analyze(l, 'sm_90', sys.argv[1]).to_dict() for l in ls]))")
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=env,
+                         cwd=REPO, timeout=600)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got and len({r["sass_file"] for r in got}) == len(got)
+    for r in got:
+        text = Path(r["sass_file"]).read_text()
+        assert Path(r["sass_file"]).parent == tmp_path and "_cross_entropy_kernel" in text and "EXIT" in text
