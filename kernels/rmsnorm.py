@@ -52,6 +52,12 @@ TILE_ELEMENTS = 4096    # rows packed per program for short rows: BLOCK_M × BLO
 #: (4096), 108 -> 118 (8192), resident CTAs unchanged. fp32 stays at 1: its 768-wide rows went 80 -> 103 registers,
 #: 3 -> 2 CTAs per SM. A tuned table may set ROW_STAGES per shape.
 BWD_ROW_STAGES = 2
+#: Backward programs per SM, each writing one fp32 dweight partial row that the column sum reads back: 2 · 4 B ·
+#: programs · n_cols of traffic on top of the 6 B per element (bf16 dy, x, dx). At 4096 x 4096 bf16, 4 per SM
+#: (528 rows on an H100) cost 7.0 B per element; 1 per SM (132 rows, Liger-Kernel's count) 6.26. A program then
+#: walks 31 row blocks, its ROW_STAGES pipeline keeping loads in flight; a tuned table may set 2 or 4 (the sweep's
+#: candidates).
+BWD_PROGRAMS_PER_SM = 1
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -257,23 +263,24 @@ def _launch_config(n_cols: int, dtype: torch.dtype | None = None, device: torch.
     # backward (x, dy and their fp32 products live at once) far from the register limit
     num_warps = max(4, min(16, block_m * block_n // 512))
     cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, ROW_IN_REGISTERS=n_cols <= limit, num_warps=num_warps,
-               ROW_STAGES=BWD_ROW_STAGES if dtype in (torch.float16, torch.bfloat16) else 1)
+               ROW_STAGES=BWD_ROW_STAGES if dtype in (torch.float16, torch.bfloat16) else 1,
+               PROGRAMS_PER_SM=BWD_PROGRAMS_PER_SM if n_cols <= limit else 4)
     if cfg["ROW_IN_REGISTERS"] and device is not None:
         cfg = tuned.choose("rms_norm", f"{tuned.dtype_name(dtype)}-n{block_n}", device, cfg)
-    if forward:  # (the backward's row pipeline depth; the forward has no row loop)
-        cfg = {k: v for k, v in cfg.items() if k != "ROW_STAGES"}
+    if forward:  # (the backward's row pipeline depth and programs; the forward has no row loop)
+        cfg = {k: v for k, v in cfg.items() if k not in ("ROW_STAGES", "PROGRAMS_PER_SM")}
     return cfg
 
 
 #: The rows-in-registers launch a tuned table may replace, and the sweep's alternatives to the shipped one.
 TUNABLE = _registry.Tunable(
-    "rms_norm", ("BLOCK_M", "num_warps", "ROW_STAGES"),
+    "rms_norm", ("BLOCK_M", "num_warps", "ROW_STAGES", "PROGRAMS_PER_SM"),
     (dict(BLOCK_M=1, num_warps=4), dict(BLOCK_M=1, num_warps=8), dict(BLOCK_M=2, num_warps=8),
      dict(BLOCK_M=4, num_warps=8), dict(BLOCK_M=4, num_warps=16),
-     # the backward's row pipeline: off, and one block deeper
-     dict(ROW_STAGES=1), dict(ROW_STAGES=3)),
+     # the backward's row pipeline: off, and one block deeper; more backward programs (more dweight partial rows)
+     dict(ROW_STAGES=1), dict(ROW_STAGES=3), dict(PROGRAMS_PER_SM=2), dict(PROGRAMS_PER_SM=4)),
     lambda key, device, dtype: {k: v for k, v in _launch_config(int(key.split("-n")[1]), dtype).items()
-                                if k in ("BLOCK_M", "num_warps", "ROW_STAGES")})
+                                if k in ("BLOCK_M", "num_warps", "ROW_STAGES", "PROGRAMS_PER_SM")})
 
 
 def _column_sum_config(n_cols: int) -> dict:
@@ -344,7 +351,7 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous: row stride n_cols
     cfg = _launch_config(n_cols, x.dtype, x.device)
     n_blocks = triton.cdiv(n_rows, cfg["BLOCK_M"])
-    n_programs = num_persistent_programs(x, n_blocks)
+    n_programs = num_persistent_programs(x, n_blocks, per_sm=cfg.pop("PROGRAMS_PER_SM"))
     # every program writes its whole partial row when rows fit in registers; the chunked path
     # accumulates into it, so only that path needs it zeroed (saves a memset launch otherwise)
     alloc = torch.empty if cfg["ROW_IN_REGISTERS"] and n_rows else torch.zeros

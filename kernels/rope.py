@@ -42,7 +42,9 @@ from ._common import (
 )
 from ._ranges import kernel_range
 
-TILE_ELEMENTS = 4096  # BLOCK_S × BLOCK_D per program
+#: BLOCK_S × BLOCK_D per program (16-bit; fp32 half). 2K elements: SASS report, sm_90 bf16 q+k at d 128, 40
+#: registers and 12 CTAs per SM (the 4K tile took 80 and 6; Liger-Kernel 0.8.5's RoPE 56 and 9), 128-bit loads kept.
+TILE_ELEMENTS = 2048
 
 
 @triton.jit
@@ -159,7 +161,7 @@ def _launch_config(d_head: int, dtype: torch.dtype | None = None, device: torch.
     """A ~4K-element tile of whole head rows; rows per program, heads per program and warps may come from a tuned
     table (``HEADS`` is then settled by :func:`_heads_per_program`)."""
     block_d = max(2, next_pow2(d_head))
-    # fp32 tiles hold twice the bytes per element in registers: half the rows (SASS report: 2K-element fp32 tiles
+    # fp32 tiles hold twice the bytes per element in registers: half the rows (SASS report: 1K-element fp32 tiles
     # stay near the 16-bit kernels' register count)
     tile = TILE_ELEMENTS // 2 if dtype == torch.float32 else TILE_ELEMENTS
     block_s = max(1, min(64, tile // block_d))

@@ -20,7 +20,8 @@ def _sass_cases(quick: bool) -> list[_registry.SassCase]:
             pos = torch.empty(seq, dtype=torch.int64, device=meta)
             cases.append(_registry.SassCase(
                 f"q,k 1x{seq}x{heads}x{d} {_registry.dtype_label(dtype)}",
-                lambda q=q, cos=cos, pos=pos: rope_forward(q, q, cos, cos, pos), (_registry.SassLaunch("rope.fwd"),),
+                lambda q=q, cos=cos, pos=pos: rope_forward(q, q, cos, cos, pos), (_registry.SassLaunch(
+                    "rope.fwd", unit="element", per_iteration=lambda c: c["BLOCK_S"] * c["BLOCK_D"], per_warp=True),),
                 bytes_moved=4 * _registry.nbytes(q) + 2 * _registry.nbytes(cos) + _registry.nbytes(pos)))
     return cases
 

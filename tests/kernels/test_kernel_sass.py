@@ -274,3 +274,23 @@ def test_sass_dir_writes_each_rows_sass(tmp_path):
     for r in got:
         text = Path(r["sass_file"]).read_text()
         assert Path(r["sass_file"]).parent == tmp_path and "_cross_entropy_kernel" in text and "EXIT" in text
+
+
+def test_rope_keeps_eight_ctas_per_sm(rows):
+    """Issue 36: RoPE on q and k at 4096 x 32 heads x 128 (bf16) leaves room for >= 8 CTAs per sm_90 SM (Liger-Kernel
+    0.8.5: 9; the 4K-element tile: 6), with 128-bit loads and no spills."""
+    rope = [r for r in _by(rows, "sm_90", "rope.fwd") if "x128 " in r["case"]]
+    assert rope
+    for r in rope:
+        assert r["ctas_per_sm"] >= 8 and not r["spill_bytes"] and r["sass"].get("LDG.128"), r
+        assert r["unit"] == "element" and r["instructions_per_unit"] > 0
+
+
+def test_rms_norm_backward_moves_at_most_liger_bytes_per_element(rows):
+    """Issue 36: at 4096 x 4096 bf16 the backward (dy, x read, dx written, one fp32 dweight partial row per program)
+    plus the partials' column sum move <= 6.3 bytes per element on sm_90 (one program per SM: 132 partial rows;
+    Liger-Kernel 0.8.5 writes as many: 6.26; four per SM was 7.0)."""
+    bwd = [r for r in _by(rows, "sm_90", "rmsnorm.bwd") if r["case"].startswith("4096x4096 ")]
+    reduce = [r for r in _by(rows, "sm_90", "rmsnorm.dw_reduce") if r["case"].startswith("4096x4096 ")]
+    assert bwd and reduce
+    assert (bwd[0]["bytes_moved"] + reduce[0]["bytes_moved"]) / (4096 * 4096) <= 6.3
