@@ -46,6 +46,8 @@ class Launch:
     units_per_iteration: int = 0
     per_warp: bool = False
     shipped: bool = True
+    peer: str | None = None  # a peer library's kernel ("liger-kernel 0.8.5"), compiled the same way
+    compare_to: str | None = None  # the tritonlm row label it stands beside
 
 
 @dataclass
@@ -75,6 +77,8 @@ class Row:
     all_loops_per_unit: float | None = None
     shipped: bool = True
     sass_file: str | None = None
+    peer: str | None = None
+    compare_to: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -290,13 +294,17 @@ def _per_unit(instructions: int, launch: Launch) -> float | None:
 def analyze(launch: Launch, arch: str, sass_dir: str | None = None) -> Row:
     """Compile one captured launch for ``arch`` (``sm_90``/``sm_80``) and summarise its cubin; with ``sass_dir``
     its SASS is written to a file of its own there (named in the row's ``sass_file``)."""
-    cfg = ", ".join(f"{k}={v}" for k, v in launch.constexprs.items() if k.isupper() and k != "DOT_PRECISION")
+    # (a peer's launcher may pass every argument by keyword: its constexpr parameters only)
+    constexpr_names = {p.name for p in getattr(launch.fn, "params", ()) if p.is_constexpr}
+    cfg = ", ".join(f"{k}={v}" for k, v in launch.constexprs.items()
+                    if (k.isupper() or (launch.peer and k in constexpr_names)) and k != "DOT_PRECISION")
     cfg = f"{cfg}, warps={launch.num_warps}, stages={launch.num_stages}" + (
         f", dot={launch.dot_precision}" if launch.dot_precision else "")
     roof = {gpu: round(max(launch.bytes_moved / bw, launch.flops / peak) * 1e6, 2)
             for gpu, (bw, peak) in ROOFLINE.items()}
     row = Row(launch.kernel, launch.case, arch, cfg, 0, 0, 0, bytes_moved=launch.bytes_moved,
-              flops=launch.flops, roofline_us=roof, unit=launch.unit, shipped=launch.shipped)
+              flops=launch.flops, roofline_us=roof, unit=launch.unit, shipped=launch.shipped, peer=launch.peer,
+              compare_to=launch.compare_to)
     sig, const, attrs = _specialise(launch)
     fn = launch.fn.fn if hasattr(launch.fn, "fn") and not hasattr(launch.fn, "params") else launch.fn
     try:
@@ -328,11 +336,65 @@ def analyze(launch: Launch, arch: str, sass_dir: str | None = None) -> Row:
     return row
 
 
+# ----------------------------------------------------------------------------------------------------
+# peers: Liger-Kernel's kernels at the same shapes, through the same capture and compile path
+# ----------------------------------------------------------------------------------------------------
+def peer_launches(arch: str = "sm_90") -> list[Launch]:
+    """Liger-Kernel's RMSNorm (forward, backward), SwiGLU (forward, backward), RoPE and cross-entropy kernels when it
+    is installed (else none), each captured from its own launcher at the shape of the tritonlm row it stands beside
+    (bf16): 4096 x 4096 norms and gates, q and k of 1 x 4096 x 32 x 128, 4096 tokens x 128256 logits."""
+    try:
+        from importlib.metadata import version
+
+        from liger_kernel.ops import cross_entropy, rms_norm, rope, swiglu
+        from liger_kernel.ops.utils import calculate_settings
+    except ImportError:
+        return []
+    peer = f"liger-kernel {version('liger-kernel')}"
+    meta, bf16 = torch.device("meta"), torch.bfloat16
+    x = torch.empty(4096, 4096, dtype=bf16, device=meta)
+    w = torch.empty(4096, dtype=bf16, device=meta)
+    rstd = torch.empty(4096, dtype=torch.float32, device=meta)
+    block, warps = calculate_settings(4096)
+    q = torch.empty(1, 4096, 32 * 128, dtype=bf16, device=meta).unflatten(-1, (32, 128)).transpose(1, 2)
+    cos = torch.empty(1, 4096, 128, dtype=bf16, device=meta)
+    # (its cross-entropy reads the targets on the host: real CPU tensors, the logits never touched)
+    logits = torch.empty(4096, 128256, dtype=bf16)
+    targets = torch.zeros(4096, dtype=torch.int64)
+    cases = [
+        ("liger.rmsnorm.fwd", "rmsnorm.fwd", "4096x4096 bf16",
+         lambda: rms_norm.rms_norm_forward(x, w, 1e-6, 0.0, "llama", None), ("element", None, True)),
+        ("liger.rmsnorm.bwd", "rmsnorm.bwd", "4096x4096 bf16",
+         lambda: rms_norm.rms_norm_backward(x, x, w, rstd, 0.0, "llama", block, warps, False, None),
+         ("element", None, True)),
+        ("liger.swiglu.fwd", "swiglu.fwd", "4096x4096 bf16", lambda: swiglu.swiglu_forward(x, x),
+         ("element", None, True)),
+        ("liger.swiglu.bwd", "swiglu.bwd", "4096x4096 bf16", lambda: swiglu.swiglu_backward(x, x, x),
+         ("element", None, True)),
+        ("liger.rope.fwd", "rope.fwd", "q,k 1x4096x32x128 bf16", lambda: rope.rope_forward(q, q, cos, cos),
+         ("element", None, True)),
+        ("liger.cross_entropy.fwd+grad", "cross_entropy.fwd+grad", "4096x128256 bf16",
+         lambda: cross_entropy.cross_entropy_forward(logits, targets, None, -100, 0.0, 0.0, "mean", None, False),
+         ("logit", "BLOCK_SIZE", True)),
+    ]
+    out = []
+    for label, ours, case, thunk, (unit, per_iteration, per_warp) in cases:
+        calls = capture(thunk, ARCHS[arch])
+        launch = _to_launch(label, case, calls[0])
+        launch.peer, launch.compare_to, launch.unit, launch.per_warp = peer, ours, unit, per_warp
+        if per_iteration is not None:
+            launch.units_per_iteration = int(launch.constexprs[per_iteration])
+        out.append(launch)
+    return out
+
+
 def run_report(archs=("sm_90", "sm_80"), quick: bool = False, progress: bool = False,
-               sass_dir: str | None = None) -> list[Row]:
+               sass_dir: str | None = None, peers: bool = True) -> list[Row]:
     from tqdm.auto import tqdm
 
     jobs = [(launch, arch) for arch in archs for launch in representative_launches(quick, arch)]
+    if peers:
+        jobs += [(launch, arch) for arch in archs for launch in peer_launches(arch)]
     return [analyze(launch, arch, sass_dir) for launch, arch in tqdm(jobs, desc="compile", disable=not progress)]
 
 
@@ -357,7 +419,9 @@ def format_markdown(rows: list[Row], title: str = "Kernel SASS report") -> str:
              "| tensor-core | global loads | global stores | async copies | main loop (all loops) | per unit "
              "| roofline H100 / H200 (µs) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    ours_rows = [r for r in rows if not r.peer]
+    peer_rows = [r for r in rows if r.peer]
+    for r in ours_rows:
         if r.error:
             lines.append(f"| {r.kernel} | {r.case} | {r.arch} | {r.config} | **compile error**: {r.error} "
                          "| | | | | | | | | | | |")
@@ -375,4 +439,33 @@ def format_markdown(rows: list[Row], title: str = "Kernel SASS report") -> str:
         lines.append(f"| {kernel} | {r.case} | {r.arch} | {r.config} | {r.registers} | {r.shared_bytes} | "
                      f"{r.dynamic_smem_bytes} | {r.ctas_per_sm} | {spill} | {tc} | {ld} | {st} | {asy} | {loops} | "
                      f"{unit} | {r.roofline_us['H100']} / {r.roofline_us['H200']} |")
+    if peer_rows:
+        lines += _peer_section(ours_rows, peer_rows)
     return "\n".join(lines) + "\n"
+
+
+def _peer_section(ours_rows: list[Row], peer_rows: list[Row]) -> list[str]:
+    """Each peer kernel beside the tritonlm row it stands for (same case and arch), compiled in the same run."""
+    lines = ["", f"## Peers: {peer_rows[0].peer}, compiled the same way in the same run", "",
+             "Each peer kernel captured from its own launcher at the same shape and compiled with the same options; "
+             "\"per unit\" counts the main loop (every loop in brackets) as above, \"-\" where a kernel has no loop. "
+             "Ratios are tritonlm / peer.", "",
+             "| tritonlm kernel | peer kernel | case | arch | regs (tritonlm / peer) | CTAs/SM | spill | per unit "
+             "(tritonlm / peer) | all loops per unit |",
+             "|---|---|---|---|---|---|---|---|---|"]
+
+    def unit(r: Row, value):
+        return "-" if value is None else f"{value}/{r.unit}"
+
+    for p in peer_rows:
+        ours = next((r for r in ours_rows if r.kernel == p.compare_to and r.case.startswith(p.case.split(" bf16")[0])
+                     and r.arch == p.arch and r.case.endswith("bfloat16")), None)
+        if ours is None or p.error or ours.error:
+            lines.append(f"| {p.compare_to} | {p.kernel} | {p.case} | {p.arch} | {p.error or 'no tritonlm row'} "
+                         "| | | | |")
+            continue
+        lines.append(f"| {ours.kernel} | {p.kernel} | {p.case} | {p.arch} | {ours.registers} / {p.registers} | "
+                     f"{ours.ctas_per_sm} / {p.ctas_per_sm} | {ours.spill_bytes} / {p.spill_bytes} B | "
+                     f"{unit(ours, ours.instructions_per_unit)} / {unit(p, p.instructions_per_unit)} | "
+                     f"{unit(ours, ours.all_loops_per_unit)} / {unit(p, p.all_loops_per_unit)} |")
+    return lines

@@ -18,13 +18,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def rows():
+def report_rows():
+    """Every row of the quick report: tritonlm's, and a peer library's where one is installed."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     out = subprocess.run([sys.executable, "-m", "tritonlm.cli", "kernels", "--report", "--quick", "--json"],
                          capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
     assert out.stdout.strip(), out.stderr[-3000:]
     return json.loads(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def rows(report_rows):
+    """tritonlm's own rows (the gates below hold for them)."""
+    return [r for r in report_rows if not r["peer"]]
 
 
 def _by(rows, arch, prefix=""):
@@ -294,3 +301,34 @@ def test_rms_norm_backward_moves_at_most_liger_bytes_per_element(rows):
     reduce = [r for r in _by(rows, "sm_90", "rmsnorm.dw_reduce") if r["case"].startswith("4096x4096 ")]
     assert bwd and reduce
     assert (bwd[0]["bytes_moved"] + reduce[0]["bytes_moved"]) / (4096 * 4096) <= 6.3
+
+
+def test_peer_rows_stand_beside_tritonlm_rows(report_rows):
+    """With Liger-Kernel installed, its RMSNorm, SwiGLU, RoPE and cross-entropy kernels are compiled in the same run
+    at the shapes of tritonlm rows, each row naming the one it stands beside; without it there are none."""
+    peers = [r for r in report_rows if r["peer"]]
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError:
+        assert not peers
+        pytest.skip("Liger-Kernel is not installed: the report has no peers section (pip install liger-kernel)")
+    ours = {(r["kernel"], r["arch"]) for r in report_rows if not r["peer"]}
+    assert {r["kernel"] for r in peers} >= {"liger.rmsnorm.fwd", "liger.rope.fwd", "liger.cross_entropy.fwd+grad"}
+    for r in peers:
+        assert r["peer"].startswith("liger-kernel") and (r["compare_to"], r["arch"]) in ours and not r["error"], r
+
+
+def test_peer_section_lists_ratios_from_rows():
+    """The Markdown peers section pairs each peer row with the tritonlm row of the same kernel, case and arch."""
+    from tritonlm.kernel_report import Row, format_markdown
+
+    ours = Row("rope.fwd", "q,k 1x4096x32x128 bfloat16", "sm_90", "BLOCK_S=16", 40, 0, 0, ctas_per_sm=12,
+               roofline_us={"H100": 1.0, "H200": 1.0}, loops=[197], loop_instructions=197, unit="element",
+               instructions_per_unit=0.19, all_loops_per_unit=0.19)
+    peer = Row("liger.rope.fwd", "q,k 1x4096x32x128 bf16", "sm_90", "BLOCK_SIZE=32", 56, 0, 0, ctas_per_sm=9,
+               roofline_us={"H100": 1.0, "H200": 1.0}, unit="element", peer="liger-kernel 0.8.5",
+               compare_to="rope.fwd")
+    text = format_markdown([ours, peer])
+    section = text.split("## Peers: liger-kernel 0.8.5", 1)[1]
+    assert "| rope.fwd | liger.rope.fwd | q,k 1x4096x32x128 bf16 | sm_90 | 40 / 56 | 12 / 9 |" in section
+    assert "liger.rope.fwd" not in text.split("## Peers")[0]
