@@ -61,7 +61,9 @@ def split_kv_forward(args, o4, lse, lse_strides, splits, h, group, n_q, n_k, d, 
     lse_part = torch.empty(splits, b_h, block_m, dtype=torch.float32, device=device)
     _fwd_kernel[(splits, b_h)](
         *args(o_part, lse_part, (0, 0, 0), (0, 0)), h, group, 0, n_q, n_k, d, d_v, qk_scale,
-        win_left, win_right, split_size, *tail, SPLIT_KV=True, BLOCK_M=block_m, BLOCK_N=block_n, **common,
+        # (64-bit row offsets: memory-bound, and the 32-bit form spilled 8 B on sm_90 at 128 registers)
+        win_left, win_right, split_size, *tail, SPLIT_KV=True, BLOCK_M=block_m, BLOCK_N=block_n,
+        **{**common, "OFFS_64": True},
         num_warps=warps, num_stages=stages)
     _split_combine_kernel[(b_h,)](o_part, lse_part, o4, lse, sinks if sinks is not None else lse, *_strides3(o4),
                                   *lse_strides, h, group, splits, b_h, n_q, d_v, BLOCK_M=block_m, BLOCK_D=_block_d(d_v),

@@ -32,14 +32,16 @@ def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, o
                key_start, key_end, n_k, shift, win_left, win_right, qk_scale, bt_row, page_size, softcap,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
                EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGED: tl.constexpr, SOFTCAP: tl.constexpr,
-               FOLD_SCALE: tl.constexpr, EVEN_DV: tl.constexpr):
+               FOLD_SCALE: tl.constexpr, EVEN_DV: tl.constexpr, OFFS_64: tl.constexpr):
     """Fold key tiles ``[key_start, key_end)`` into the running (acc, m_i, l_i). ``FOLD_SCALE`` (never with
     ``SOFTCAP``): the scale is applied in the exponent's FMA (:func:`_online_softmax_step`)."""
     # the tile's first row advances by BLOCK_N rows per step (64-bit, one row of pointers); rows within a tile are
     # loop-invariant 32-bit offsets: no 64-bit multiply per row and no 2-D pointer tensor held across steps
     # Row offsets are recomputed per tile rather than carried as pointers advanced by BLOCK_N rows: measured in
     # the SASS report, advancing them cost registers (sm_90, bf16: d 128 197 -> 245, split-KV decode 140 -> 224)
-    # and spilled on sm_80 at d 128; the recomputation is a few integer ops the pipeliner hides.
+    # and spilled on sm_80 at d 128; the recomputation is a few integer ops the pipeliner hides. Unless OFFS_64 (the
+    # launcher's: a K or V row offset might not fit 31 bits), the offsets are 32-bit, added to the 64-bit base once
+    # per vector: sm_90 bf16 d 128, 402 -> 375 instructions per 64 keys (6.28 -> 5.86 per key).
     for start_n in range(key_start, key_end, BLOCK_N):
         keys = start_n + offs_n
         if PAGED:  # the tile lies in one block of the pool (page_size % BLOCK_N == 0): its rows via the table
@@ -47,8 +49,11 @@ def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, o
             rows = block * page_size + (start_n % page_size) + offs_n
         else:
             rows = keys
-        k, v = _load_kv(k_ptrs + rows[:, None].to(tl.int64) * stride_kn, v_ptrs + rows[:, None].to(tl.int64) * stride_vn,
-                        keys, n_k, d_mask, dv_mask, MASKED, EVEN_D, EVEN_DV)
+        if OFFS_64:
+            k_rows, v_rows = rows[:, None].to(tl.int64) * stride_kn, rows[:, None].to(tl.int64) * stride_vn
+        else:
+            k_rows, v_rows = (rows * stride_kn)[:, None], (rows * stride_vn)[:, None]
+        k, v = _load_kv(k_ptrs + k_rows, v_ptrs + v_rows, keys, n_k, d_mask, dv_mask, MASKED, EVEN_D, EVEN_DV)
         # ---- raw products q·kᵀ: the scale is applied inside the softmax step's exponent (one FMA per score);
         # folding it into Q instead measured worse in the SASS report (sm_90 d 128: 197 -> 235 registers, as Q
         # then feeds the wgmma from registers). With SOFTCAP: the tanh-capped scores, already in log2 units.
@@ -111,9 +116,11 @@ def _fwd_kernel(
     SEQUSED_K: tl.constexpr, PAGED: tl.constexpr, LEFTPAD: tl.constexpr, SOFTCAP: tl.constexpr,
     PACK_GQA: tl.constexpr, FOLD_SCALE: tl.constexpr, HAS_SINKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr, OFFS_64: tl.constexpr,
 ):
     # EVEN_D: the head dim fills BLOCK_D, so whole K/V tiles load without a mask
+    # OFFS_64: K / V row offsets (row x row stride, from the sequence's first key) need 64 bits (else 32: fewer
+    # address instructions per key tile)
     # BLOCK_DV / EVEN_DV / d_v: V's (and O's) head dim, apart from Q / K's (MLA: d_qk 192, d_v 128); the same as
     # theirs otherwise, which compiles to the same kernel
     # SPLIT_KV (decoding): grid axis 0 is the key split, not the query tile; the one query tile holds every query
@@ -198,17 +205,17 @@ def _fwd_kernel(
                                    dv_mask, key_lo, full_lo, n_k, shift, win_left, win_right, qk_scale, bt_row,
                                    page_size, softcap, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N,
                                    EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION, PAGED=PAGED, SOFTCAP=SOFTCAP,
-                                   FOLD_SCALE=FOLD_SCALE, EVEN_DV=EVEN_DV)
+                                   FOLD_SCALE=FOLD_SCALE, EVEN_DV=EVEN_DV, OFFS_64=OFFS_64)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
                                dv_mask, full_lo, full_hi, n_k, shift, win_left, win_right, qk_scale, bt_row,
                                page_size, softcap, MASKED=False, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N,
                                EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION, PAGED=PAGED, SOFTCAP=SOFTCAP,
-                               FOLD_SCALE=FOLD_SCALE, EVEN_DV=EVEN_DV)
+                               FOLD_SCALE=FOLD_SCALE, EVEN_DV=EVEN_DV, OFFS_64=OFFS_64)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_mask,
                                dv_mask, full_hi, key_hi, n_k, shift, win_left, win_right, qk_scale, bt_row,
                                page_size, softcap, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, BLOCK_N=BLOCK_N,
                                EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION, PAGED=PAGED, SOFTCAP=SOFTCAP,
-                               FOLD_SCALE=FOLD_SCALE, EVEN_DV=EVEN_DV)
+                               FOLD_SCALE=FOLD_SCALE, EVEN_DV=EVEN_DV, OFFS_64=OFFS_64)
 
     # ---- epilogue: the sink (once, after every key), then normalise; rows without a visible key give 0 and
     # L = -inf (with a sink: L = the sink)

@@ -63,7 +63,8 @@ IEEE_FWD_CONFIGS = {16: (64, 16, 4, 2), 32: (64, 16, 4, 2), 64: (64, 16, 4, 2), 
 #: (BLOCK_M, BLOCK_N, num_warps, num_stages) shipped for both backward kernels (each a tunable of its own: the
 #: dK/dV kernel holds K, V, dK, dV for BLOCK_N keys, the dQ kernel Q, dO, dQ for BLOCK_M queries).
 #: Evidence (profiles/sass/REPORT.md, bf16, seq 4096, sm_90 (HGMMA) / sm_80 (HMMA)): d 64 -> fwd 255 / 255,
-#: dK/dV 225 / 181, dQ 166 / 124 (sm_80 with 32-row tiles), no spills; d 128 with 8 warps -> fwd 197 / 218,
+#: dK/dV 225 / 181, dQ 166 / 124 (sm_80 with 32-row tiles), no spills; d 128 with 8 warps -> fwd 212 / 223 (32-bit
+#: K / V row offsets; 197 / 218 with 64-bit ones),
 #: dK/dV 243 / 244, dQ 174 / 173, no spills. d 256: 64-row wgmma tiles spill heavily in the backward (hundreds of LDL/STL), so it keeps
 #: 32-row tiles, spill-free, on mma (HMMA) even on sm_90.
 BWD_CONFIGS = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 2), 128: (64, 64, 8, 2),
@@ -172,6 +173,13 @@ def _fwd_config(d: int, dtype: torch.dtype, device: torch.device,
     return _tuned("attention_fwd", d, dtype, device, (block_m, block_n, warps, stages), variant, d_v)
 
 
+def _needs_64bit_rows(*views: torch.Tensor) -> bool:
+    """Whether a key / value row offset (row x row stride, within the rows of one ``[batch, heads, rows, d]`` view:
+    a sequence, a packed batch or a paged pool) might not fit in a signed 32-bit int; then the forward computes them
+    in 64 bits (``OFFS_64``)."""
+    return any((t.shape[2] + 1) * abs(t.stride(2)) + t.shape[3] >= 2**31 for t in views)
+
+
 def _mla_dims(d: int, d_v: int | None) -> tuple[int, int] | None:
     """``(padded d_qk, padded d_v)`` when V's padded head dim differs from Q/K's (MLA's own tile tables), else None."""
     if d_v is None or _block_d(d_v) == _block_d(d):
@@ -268,7 +276,9 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
     cu_q = cu_seqlens_q if packed else lse  # (unused pointers for batches / dense caches)
     cu_k = cu_seqlens_k if packed else (leftpad if leftpad is not None else lse)
     common = dict(CAUSAL=is_causal, WINDOW=_has_window(is_causal, window), VARLEN=packed, BLOCK_D=_block_d(d),
-                  EVEN_D=d == _block_d(d), BLOCK_DV=_block_d(d_v), EVEN_DV=d_v == _block_d(d_v), SEQUSED_K=cache, PAGED=paged, SOFTCAP=bool(softcap),
+                  EVEN_D=d == _block_d(d), BLOCK_DV=_block_d(d_v), EVEN_DV=d_v == _block_d(d_v),
+                  # (32-bit row offsets for 16-bit tiles only: fp32 IEEE tiles spilled more with them, sm_90 d 128)
+                  OFFS_64=q.dtype == torch.float32 or _needs_64bit_rows(k4, v4), SEQUSED_K=cache, PAGED=paged, SOFTCAP=bool(softcap),
                   LEFTPAD=leftpad is not None, HAS_SINKS=sinks is not None, **_dot_precision(q.dtype))
     # GQA with few queries (decoding): one program per (batch, kv head) holds its whole group's queries in one
     # tile, so each K/V tile is read once per group instead of once per query head

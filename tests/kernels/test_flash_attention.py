@@ -238,3 +238,19 @@ def test_every_dot_takes_the_precision_constexpr():
     dots = re.findall(r"tl\.dot\(", source)
     with_precision = re.findall(r"tl\.dot\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*input_precision=DOT_PRECISION\)", source)
     assert len(dots) >= 10 and len(with_precision) == len(dots)
+
+
+def test_row_offsets_switch_to_64_bits_where_they_could_overflow():
+    """The forward's K / V row offsets are 32-bit (fewer address instructions per tile) unless a view's rows x row
+    stride could reach 2**31: a long sequence, a packed batch or a large paged pool (the SASS report's rows show the
+    launcher's choice: test_kernel_sass)."""
+    from tritonlm.kernels.attention.launch import _needs_64bit_rows
+
+    meta = torch.device("meta")
+    small = torch.empty(1, 8, 4096, 128, dtype=torch.bfloat16, device=meta)
+    # [batch, seq, heads, d] viewed as [batch, heads, seq, d]: the row stride is heads x d = 4096
+    long = torch.empty(1, 2**19, 32, 128, dtype=torch.bfloat16, device=meta).transpose(1, 2)
+    shorter = torch.empty(1, 2**19 - 2, 32, 128, dtype=torch.bfloat16, device=meta).transpose(1, 2)
+    assert not _needs_64bit_rows(small, small)
+    assert _needs_64bit_rows(small, long)  # 2**19 rows x 4096 = 2**31
+    assert not _needs_64bit_rows(shorter)

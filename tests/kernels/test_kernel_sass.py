@@ -332,3 +332,13 @@ def test_peer_section_lists_ratios_from_rows():
     section = text.split("## Peers: liger-kernel 0.8.5", 1)[1]
     assert "| rope.fwd | liger.rope.fwd | q,k 1x4096x32x128 bf16 | sm_90 | 40 / 56 | 12 / 9 |" in section
     assert "liger.rope.fwd" not in text.split("## Peers")[0]
+
+
+def test_attention_forward_row_offsets_are_32_bit_for_16_bit_inputs(rows):
+    """The 16-bit forward rows compile with 32-bit K / V row offsets (OFFS_64=False: sm_90 d 128, 402 -> 375
+    instructions per 64 keys), fp32 and split-KV decoding with 64-bit ones (their 32-bit form spilled)."""
+    fwd = [r for r in rows if r["kernel"] in ("attention.fwd", "attention.gqa_fwd", "attention.decode_split")]
+    assert fwd
+    for r in fwd:
+        wide = "float32" in r["case"] or r["kernel"] == "attention.decode_split"
+        assert f"OFFS_64={wide}" in r["config"], (r["kernel"], r["case"], r["config"])
