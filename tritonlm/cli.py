@@ -61,6 +61,8 @@ def cmd_accounting(args) -> int:
     name = f"{args.hf} (Hugging Face)" if args.hf else f"preset {args.preset}"
     print(f"{name}: vocab {cfg.vocab_size}, context {cfg.context_length}, d_model {cfg.d_model}, "
           f"layers {cfg.num_layers}, heads {cfg.num_heads} (kv heads {cfg.kv_heads}), d_ff {cfg.d_ff}"
+          + (f", MLA (latent {cfg.kv_lora_rank} + rotary key {cfg.qk_rope_head_dim}, query/key heads {cfg.d_head}, "
+             f"value heads {cfg.v_dim})" if cfg.attention == "mla" else "")
           + (", tied embeddings" if cfg.tie_embeddings else "")
           + (f", {cfg.num_experts} experts ({cfg.experts_per_token} per token, d_ff {cfg.expert_d_ff})"
              if cfg.num_experts else ""))

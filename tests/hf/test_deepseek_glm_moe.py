@@ -244,3 +244,16 @@ def test_options_the_model_cannot_represent_are_refused(kind, key, value, named)
     config = {"model_type": kind, "architectures": [CONFIGS[kind][1]], **CONFIGS[kind][2], key: value}
     with pytest.raises(ValueError, match=named):
         hf.model_config_from_hf(config)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_accounting_reads_the_directory(saved, kind, capsys):
+    """``tritonlm accounting --hf``: the parameter count equals transformers' model's own (the correction bias is a
+    buffer, as there), and an MLA model says so."""
+    from tritonlm.cli import main
+
+    path, theirs = saved[kind]
+    assert main(["accounting", "--hf", str(path), "--seq-len", "32"]) == 0
+    out = capsys.readouterr().out
+    assert f"parameters: {sum(p.numel() for p in theirs.parameters()):,} " in out
+    assert ("MLA (latent 16 + rotary key 8, query/key heads 16, value heads 12)" in out) == (kind == "deepseek_v3")
