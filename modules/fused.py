@@ -161,6 +161,14 @@ class MultiHeadLatentAttention(_ref.MultiHeadLatentAttention, MultiHeadSelfAtten
             if norm is not None:
                 norm.__class__ = RMSNorm
 
+    def attend_padded(self, q, k, v, lengths, cache):
+        """The expanded, padded keys and values as a dense KV cache of ``flash_attn_with_kvcache``: each sequence
+        reads its own first ``lengths[b]`` keys, its queries bottom-right aligned (no mask tensor)."""
+        out = _kernels().flash_attn_with_kvcache(q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2),
+                                                 cache_seqlens=lengths.to(torch.int32), causal=True,
+                                                 softmax_scale=self.softmax_scale)
+        return out.transpose(-3, -2)
+
 
 class MoEExperts(_ref.MoEExperts):
     """:class:`reference.MoEExperts` as the fused grouped GEMMs (``kernels.moe_experts``): dropless, no token

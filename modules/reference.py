@@ -672,9 +672,12 @@ class MultiHeadLatentAttention(MultiHeadSelfAttention):
     into each head's ``nope`` key features and ``v_head_dim`` values. Each head's key is its own nope features then the
     shared rotary ones; RoPE (interleaved pairs) turns the last ``rope`` features of queries and keys. Attention
     runs with query/key heads ``nope + rope`` wide and value heads ``v_head_dim`` wide (``softmax_scale``: the
-    family's, YaRN's mscale included); ``output_proj`` maps ``heads·v_head_dim`` back. The KV cache holds each
-    head's full key and value (``heads·(nope + rope + v_head_dim)`` numbers per token and layer); the attention,
-    cache and packing paths are the parent's.
+    family's, YaRN's mscale included); ``output_proj`` maps ``heads·v_head_dim`` back.
+
+    The KV cache (dense or paged) holds the compressed latent after its norm and the rotated shared key:
+    ``kv_lora_rank + qk_rope_head_dim`` numbers per token and layer, whatever the heads (DeepSeek-V3: 576, against
+    128 x (192 + 128) = 40960 for expanded keys and values), as transformers caches it. Each step expands every cached
+    latent through ``kv_b_proj`` again before attending: exact, the same products as without a cache.
     """
 
     def __init__(self, d_model: int, num_heads: int, max_seq_len: int, theta: float, device=None, dtype=None, *,
@@ -711,16 +714,46 @@ class MultiHeadLatentAttention(MultiHeadSelfAttention):
         q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
         q = rearrange(q, "... seq (heads d_k) -> ... heads seq d_k", heads=self.num_heads)
         latent, k_rot = self.kv_a_proj(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = rearrange(self.kv_b_proj(self.kv_a_norm(latent)), "... seq (heads d) -> ... heads seq d",
-                       heads=self.num_heads)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         positions, trusted = self._positions(seq, past, token_positions, kv_cache, documents, x.device)
         # RoPE on the queries' last rope features and on the one shared rotary key ([..., 1, seq, rope])
         q_rot, k_rot = self.rotate_features(q[..., self.nope:], k_rot.unsqueeze(-3), positions, trusted)
         q = torch.cat((q[..., :self.nope], q_rot), dim=-1)
-        k = torch.cat((k_nope, k_rot.expand(*k_nope.shape[:-1], self.rope_dim)), dim=-1)
-        out = self._attend_cached(q, k, v, kv_cache, documents)
+        latent = self.kv_a_norm(latent).unsqueeze(-3)  # [..., 1, seq, kv_lora]: what a cache keeps
+        if isinstance(kv_cache, PagedLayerCache):
+            out = self.attend_paged_latent(q, latent, k_rot, kv_cache)
+        elif kv_cache is not None:
+            out = self.attend(q, *self.expand(*kv_cache.update(latent, k_rot)))
+        else:
+            k, v = self.expand(latent, k_rot)
+            out = self.attend(q, k, v) if documents is None else self.attend_documents(q, k, v, documents)
         return self.output_proj(rearrange(out, "... heads seq d_v -> ... seq (heads d_v)"))
+
+    def expand(self, latent: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each head's keys and values from the normed latents ``[..., 1, n, kv_lora]`` and rotated shared keys
+        ``[..., 1, n, rope]``: ``k [..., heads, n, nope + rope]`` (its nope features, then the shared rotary ones),
+        ``v [..., heads, n, v_head_dim]``."""
+        kv = rearrange(self.kv_b_proj(latent.squeeze(-3)), "... n (heads d) -> ... heads n d", heads=self.num_heads)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        return torch.cat((k_nope, k_rot.expand(*k_nope.shape[:-1], self.rope_dim)), dim=-1), v
+
+    def attend_paged_latent(self, q: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
+                            cache: PagedLayerCache) -> torch.Tensor:
+        """A batch of sequences of different lengths against a paged latent cache: the new latents and rotary keys
+        are written at each sequence's next positions, every sequence's are gathered (padded) and expanded, and
+        query ``i`` of sequence ``b`` (position ``cache_seqlens[b] + i``) attends to the keys at or before it."""
+        pool, index = cache.cache, cache.index
+        pool.write(index, latent, k_rot)
+        latents, rotary, lengths = pool.gather(index)
+        k, v = self.expand(latents.to(q.dtype), rotary.to(q.dtype))
+        return self.attend_padded(q, k, v, lengths, cache)
+
+    def attend_padded(self, q, k, v, lengths, cache):
+        """Causal attention of each sequence's queries (its last ``seq`` positions) over its first ``lengths[b]``
+        keys of the padded ``k, v [batch, heads, max_keys, d]``."""
+        query_pos = cache.positions(q.shape[-2])                            # [batch, seq]
+        key_pos = torch.arange(k.shape[-2], device=q.device)
+        visible = key_pos[None, None, :] <= query_pos[:, :, None]           # [batch, seq, keys]
+        return F.scaled_dot_product_attention(q, k, v, visible[:, None], scale=self.softmax_scale)
 
 
 # the assembly builds its components from this namespace for backend="reference"

@@ -120,11 +120,14 @@ def training_flops(cfg: ModelConfig, seq_len: int, batch_size: int = 1, steps: i
 
 
 def kv_cache_bytes(cfg: ModelConfig, seq_len: int, batch_size: int = 1, dtype: str = "bf16") -> int:
-    """Bytes of a full KV cache: keys and values of every layer, ``kv_heads × d_head`` per token each (MLA: each
-    head's expanded key and value, ``heads × (d_qk + d_v)`` per token, what the model caches)."""
+    """Bytes of a full KV cache: keys and values of every layer, ``kv_heads × d_head`` per token each (MLA: the
+    compressed latent and the shared rotary key, ``kv_lora_rank + qk_rope_head_dim`` per token, what the model
+    caches)."""
     if dtype not in _BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; one of {sorted(_BYTES)}")
-    return cfg.num_layers * batch_size * seq_len * cfg.kv_heads * (cfg.d_head + cfg.v_dim) * _BYTES[dtype]
+    per_token = (cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.attention == "mla"
+                 else 2 * cfg.kv_heads * cfg.d_head)
+    return cfg.num_layers * batch_size * seq_len * per_token * _BYTES[dtype]
 
 
 def activation_elements(cfg: ModelConfig, seq_len: int, batch_size: int = 1) -> dict:

@@ -187,8 +187,9 @@ def test_fused_matches_reference(dtype, tol):
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_cached_paged_and_packed_runs_equal_plain_ones(backend):
-    """Greedy decoding with the KV cache equals decoding without it; a ragged batch through the paged cache gives each
-    prompt the same tokens; packed documents give each document's logits as if alone. With no q bottleneck."""
+    """Greedy decoding with the (latent) KV cache equals decoding without it; a ragged batch through the paged cache
+    gives each prompt the same tokens; packed documents give each document's logits as if alone. With no q
+    bottleneck."""
     model = _model(_config(q_lora_rank=None, num_layers=2, moe_layers=(1,)), backend).eval()
     prompts = [torch.randint(0, 61, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 3)]
     ragged = model.generate(prompts, 8, temperature=0)
@@ -196,6 +197,13 @@ def test_cached_paged_and_packed_runs_equal_plain_ones(backend):
         cached = model.generate(p, 8, temperature=0)
         assert torch.equal(cached, model.generate(p, 8, temperature=0, use_cache=False))
         assert torch.equal(batched, cached)
+    # the caches hold the normed latent and the rotated shared key (16 + 4 numbers a token), not every head's K / V
+    cache = model.last_generation_cache
+    assert cache["pool_bytes"] == 2 * cache["pool_blocks"] * cache["page_size"] * (16 + 4) * 4
+    caches = model.new_kv_caches(reserve=8)
+    with torch.no_grad():
+        model(prompts[0][None], kv_caches=caches)
+    assert caches[0].k.shape[-3:] == (1, 8, 16) and caches[0].v.shape[-3:] == (1, 8, 4)
     ids = torch.randint(0, 61, (1, 15), generator=torch.Generator().manual_seed(4))
     docs = torch.tensor([[0] * 6 + [1] * 9])
     with torch.no_grad():
@@ -206,11 +214,12 @@ def test_cached_paged_and_packed_runs_equal_plain_ones(backend):
 
 def test_accounting_counts_the_model():
     """Parameters equal the model's own count (with and without the q bottleneck and biases); the KV cache holds
-    every head's key and value; attention FLOPs use the value heads' width for P·V."""
+    compressed latent and the shared rotary key per token and layer; attention FLOPs use the value heads' width for
+    P·V."""
     for cfg in (_config(), _config(q_lora_rank=None), _config(qkv_bias=True, attn_out_bias=True)):
         assert accounting.param_count(cfg) == sum(p.numel() for p in TransformerLM(cfg).parameters())
     cfg = _config()
-    assert accounting.kv_cache_bytes(cfg, 100, dtype="bf16") == 3 * 100 * 4 * (12 + 10) * 2
+    assert accounting.kv_cache_bytes(cfg, 100, dtype="bf16") == 3 * 100 * (16 + 4) * 2
     assert accounting.forward_flops(cfg, 16)["attention_matmuls"] == 3 * 2 * 16 * 16 * 4 * (12 + 10)
 
 
