@@ -54,6 +54,7 @@ def score_scales(softmax_scale: float, softcap: float) -> tuple[float, float]:
 # ----------------------------------------------------------------------------------------------------
 # launch configuration
 # ----------------------------------------------------------------------------------------------------
+#: (BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward; sm_90 takes 128-key tiles at d 128 (_fwd_config)
 FWD_CONFIGS = {16: (128, 64, 4, 3), 32: (128, 64, 4, 3), 64: (128, 64, 4, 3), 128: (128, 64, 8, 3),
                256: (64, 32, 8, 2)}
 #: fp32 under torch's "highest" matmul precision (IEEE dots, FMA units): measured spill-free at d <= 64 with
@@ -63,7 +64,7 @@ IEEE_FWD_CONFIGS = {16: (64, 16, 4, 2), 32: (64, 16, 4, 2), 64: (64, 16, 4, 2), 
 #: (BLOCK_M, BLOCK_N, num_warps, num_stages) shipped for both backward kernels (each a tunable of its own: the
 #: dK/dV kernel holds K, V, dK, dV for BLOCK_N keys, the dQ kernel Q, dO, dQ for BLOCK_M queries).
 #: Evidence (profiles/sass/REPORT.md, bf16, seq 4096, sm_90 (HGMMA) / sm_80 (HMMA)): d 64 -> fwd 255 / 255,
-#: dK/dV 225 / 181, dQ 166 / 124 (sm_80 with 32-row tiles), no spills; d 128 with 8 warps -> fwd 212 / 223 (32-bit
+#: dK/dV 225 / 181, dQ 166 / 124 (sm_80 with 32-row tiles), no spills; d 128 with 8 warps -> fwd 255 (128-key tiles) / 223 (32-bit
 #: K / V row offsets; 197 / 218 with 64-bit ones),
 #: dK/dV 243 / 244, dQ 174 / 173, no spills. d 256: 64-row wgmma tiles spill heavily in the backward (hundreds of LDL/STL), so it keeps
 #: 32-row tiles, spill-free, on mma (HMMA) even on sm_90.
@@ -166,6 +167,13 @@ def _fwd_config(d: int, dtype: torch.dtype, device: torch.device,
             return _tuned("attention_fwd", d, dtype, device, IEEE_FWD_CONFIGS.get(_block_d(d), (16, 32, 4, 2)),
                           variant, d_v)
         block_n = max(16, block_n // 2)
+    if (gpu_capability(device) >= 90 and _block_d(d) == 128 and not mla and "window" not in variant
+            and dtype != torch.float32):
+        # Hopper, 16-bit, d 128: 128-key tiles halve the per-key share of the accumulator's rescale and the K / V
+        # address arithmetic (SASS report, sm_90 bf16: 5.86 -> 4.43 instructions per key in the main loop, 255
+        # registers, spill-free, 1 CTA per SM as with 64-key tiles; plain, GQA, packed and softcapped forwards).
+        # Not with a window (88 B of spills), not on sm_80 (24 B), not at d 64 (128 B): 64-key tiles there
+        block_n, stages = 128, 2
     if ("varlen" in variant or "window" in variant) and gpu_capability(device) < 90 and d > 64:
         # sm_80 at d 128: the packed / windowed forward's extra range bookkeeping spills with 64-key tiles
         # (40 / 16 bytes in the SASS report); 32-key tiles are spill-free

@@ -102,8 +102,9 @@ def _sass_cases(quick: bool) -> list[_registry.SassCase]:
         _registry.SassCase(gqa, lambda: flash_attention_backward(q, q, kv, kv, q, lse, True, 0.1),
                            (L("attention.gqa_bwd_dkdv", 1, 8 * flops),)),
     ]
-    # the sweep's alternatives at d 128 (16 heads), as evidence beside the shipped rows: the forward with 128-key tiles
-    # and with the scores scaled first (FOLD_SCALE 0), the dQ kernel with 128-query tiles, and the atomic-dQ
+    # the sweep's alternatives at d 128 (16 heads), as evidence beside the shipped rows: the forward with 64-key tiles
+    # (the shipped 128 on sm_90; on sm_80 this row is the shipped shape again) and with the scores scaled first
+    # (FOLD_SCALE 0), the dQ kernel with 128-query tiles, and the atomic-dQ
     # backward's dK/dV kernel with 64-query tiles (dS K on wgmma)
     q16 = torch.empty(1, 16, 4096, d, dtype=dtype, device=meta)
     lse16 = torch.empty(1, 16, 4096, dtype=torch.float32, device=meta)
@@ -113,8 +114,8 @@ def _sass_cases(quick: bool) -> list[_registry.SassCase]:
     bwd16 = lambda: flash_attention_backward(q16, q16, q16, q16, q16, lse16, True, 0.1)  # noqa: E731
     atomic16 = lambda: flash_attention_backward(q16, q16, q16, q16, q16, lse16, True, 0.1, deterministic=False)  # noqa: E731
     cases += [
-        _registry.SassCase(plain + " (BLOCK_N 128)", fwd16, (L("attention.fwd_n128", 0, 4 * flops16),),
-                           context=lambda: tuned.override("attention_fwd", BLOCK_N=128, num_stages=2), shipped=False),
+        _registry.SassCase(plain + " (BLOCK_N 64)", fwd16, (L("attention.fwd_n64", 0, 4 * flops16),),
+                           context=lambda: tuned.override("attention_fwd", BLOCK_N=64, num_stages=3), shipped=False),
         _registry.SassCase(plain + " (FOLD_SCALE 0)", fwd16, (L("attention.fwd_scaled_first", 0, 4 * flops16),),
                            context=lambda: tuned.override("attention_fwd", FOLD_SCALE=0), shipped=False),
         _registry.SassCase(plain + " (dQ 128x64)", bwd16, (L("attention.bwd_dq_m128", 2, 6 * flops16),),
@@ -278,7 +279,8 @@ def _shipped(pick):
 _FWD_CANDIDATES = (
     # the scores scaled first (FOLD_SCALE 0) against the shipped scale-in-the-exponent FMA
     dict(FOLD_SCALE=0),
-    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3), dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4),
+    # (64-key tiles at 8 warps: the shape sm_90 shipped before 128-key tiles, and sm_80's)
+    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3), dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4),
     dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2), dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
     dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4), dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
     # two CTAs per sm_90 SM at d 128 (SASS report with this config: 174 registers x 128 threads, 80 KB dynamic
