@@ -36,7 +36,7 @@ from .reference import (  # noqa: F401  (unchanged components, re-exported for a
 __all__ = [
     "Linear", "Embedding", "RMSNorm", "LayerNorm", "BatchNorm", "RotaryPositionalEmbedding",
     "SinusoidalPositionalEncoding", "SwiGLU", "GeGLU", "ReLUFFN", "SiLUFFN", "MoEExperts", "MoEFFN", "MultiHeadSelfAttention",
-    "MultiHeadLatentAttention",
+    "MultiHeadLatentAttention", "RMSNormGated",
     "KVCache",
     "TransformerBlock", "TransformerLM", "fuse", "unfuse", "lm_head_loss",
 ]
@@ -58,6 +58,13 @@ class RMSNorm(_ref.RMSNorm):
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rmsnorm(x + residual), x + residual)`` in one kernel (``add_rms_norm``)."""
         return _kernels().add_rms_norm(x, residual, self.weight, self.eps, weight_offset=self.offset)
+
+
+class RMSNormGated(_ref.RMSNormGated):
+    """:class:`reference.RMSNormGated` as one Triton kernel each way (``kernels.rms_norm_gated``)."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return _kernels().rms_norm_gated(x, gate, self.weight, self.eps)
 
 
 class RotaryPositionalEmbedding(_ref.RotaryPositionalEmbedding):
@@ -215,6 +222,7 @@ class TransformerLM(_LM):
 
 _FUSED = {
     _ref.RMSNorm: RMSNorm,
+    _ref.RMSNormGated: RMSNormGated,
     _ref.RotaryPositionalEmbedding: RotaryPositionalEmbedding,
     _ref.SwiGLU: SwiGLU,
     _ref.GeGLU: GeGLU,

@@ -23,7 +23,7 @@ from .model import TransformerBlock, TransformerLM, register_components  # noqa:
 __all__ = [
     "Linear", "Embedding", "RMSNorm", "LayerNorm", "BatchNorm", "RotaryPositionalEmbedding",
     "SinusoidalPositionalEncoding", "SwiGLU", "GeGLU", "ReLUFFN", "SiLUFFN", "MoEExperts", "MoEFFN", "MultiHeadSelfAttention",
-    "MultiHeadLatentAttention",
+    "MultiHeadLatentAttention", "RMSNormGated",
     "KVCache", "TransformerBlock", "TransformerLM", "lm_head_loss",
 ]
 
@@ -124,6 +124,31 @@ class RMSNorm(nn.Module):
         """The pre-norm seam: ``h = x + residual`` and ``(self(h), h)``. The fused twin does it in one pass."""
         h = x + residual
         return self(h), h
+
+    def extra_repr(self) -> str:
+        return f"{self.d_model}, eps={self.eps}"
+
+
+class RMSNormGated(nn.Module):
+    """Gated RMSNorm (Qwen3.5 / Qwen3-Next's norm before the gate): ``(weight · x̂) · silu(gate)`` over the last dim,
+    ``x̂ = x / sqrt(mean(x²) + eps)`` in fp32 rounded to x's dtype, ``weight · x̂`` in their promoted dtype, the gate's
+    SiLU in fp32, the product returned in x's dtype (transformers' casting). ``weight`` (d_model,) starts at 1."""
+
+    def __init__(self, d_model: int, eps: float = 1e-6, device=None, dtype=None):
+        super().__init__()
+        self.d_model, self.eps = d_model, eps
+        self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """``x, gate [..., d_model] -> [..., d_model]``."""
+        _check_last_dim(x, self.d_model, "RMSNormGated")
+        _check_float(x, "RMSNormGated")
+        if gate.shape != x.shape:
+            raise ValueError(f"RMSNormGated: gate {tuple(gate.shape)} must have x's shape {tuple(x.shape)}")
+        xf = x.float()
+        x_hat = (xf / torch.sqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)).to(x.dtype)
+        gated = self.weight * x_hat * F.silu(gate.float())
+        return gated.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.d_model}, eps={self.eps}"
