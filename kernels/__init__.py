@@ -1,7 +1,8 @@
 """Triton kernels, one op per file, each behind a ``torch.autograd.Function``.
 
 Functional entry points: :func:`rms_norm`, :func:`add_rms_norm`, :func:`qk_rms_norm` (an attention layer's q and
-k norms in one launch), :func:`rms_norm_gated` (Qwen3.5's norm before the gate), :func:`apply_rope`, :func:`swiglu_gate`,
+k norms in one launch), :func:`rms_norm_gated` (Qwen3.5's norm before the gate),
+:func:`causal_conv1d_fn` / :func:`causal_conv1d_update` (Gated DeltaNet's short convolution), :func:`apply_rope`, :func:`swiglu_gate`,
 :func:`flash_attention`; losses :func:`cross_entropy` (on logits) and :func:`linear_cross_entropy` (LM head +
 loss without materialising the logits).
 Attention Functions: :class:`FlashAttention` (Triton) and :class:`FlashAttentionTorch` (tiled PyTorch), both with
@@ -22,6 +23,7 @@ if INTERPRETING:
 from .rmsnorm import AddRMSNormFunction, RMSNormFunction, add_rms_norm, rms_norm  # noqa: E402
 from .qk_norm import QKNormFunction, qk_rms_norm  # noqa: E402
 from .rms_norm_gated import RMSNormGatedFunction, rms_norm_gated  # noqa: E402
+from .causal_conv1d import CausalConv1dFunction, causal_conv1d_fn, causal_conv1d_update  # noqa: E402
 from .swiglu import SwiGLUGateFunction, geglu_gate, swiglu_gate  # noqa: E402
 from .rope import RoPEFunction, apply_rope, rope_tables  # noqa: E402
 from .cross_entropy_loss import CrossEntropyFunction, cross_entropy  # noqa: E402
@@ -43,5 +45,6 @@ __all__ = [
     "swiglu_gate", "geglu_gate", "add_rms_norm", "AddRMSNormFunction", "cross_entropy", "linear_cross_entropy", "RMSNormFunction", "RoPEFunction",
     "SwiGLUGateFunction", "CrossEntropyFunction", "LinearCrossEntropyFunction", "moe_experts", "MoEExpertsFunction",
     "qk_rms_norm", "QKNormFunction", "rms_norm_gated", "RMSNormGatedFunction",
+    "causal_conv1d_fn", "causal_conv1d_update", "CausalConv1dFunction",
     "INTERPRETING",
 ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as TF
 from einops import einsum, rearrange
 
 
@@ -260,3 +261,14 @@ def load_balancing_loss(router_logits, num_experts: int, top_k: int,
         prob_sum = prob_sum + (probs * keep[:, None]).sum(dim=0)
         rows = rows + keep.sum()
     return num_experts * torch.sum((assigned / rows) * (prob_sum / rows))
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  activation: str | None = None) -> torch.Tensor:
+    """Depthwise causal conv1d, the readable spec of ``kernels.causal_conv1d_fn``: ``x [batch, D, T]``, ``weight
+    [D, W]`` -> ``[batch, D, T]``; output ``t`` sees inputs ``t - W + 1 .. t`` (zero before the sequence), then the
+    bias and, with ``activation="silu"``, SiLU. Computed in fp32, returned in x's dtype."""
+    n_taps = weight.shape[-1]
+    padded = TF.pad(x.float(), (n_taps - 1, 0))  # W - 1 zeros before the first input
+    out = TF.conv1d(padded, weight.float().unsqueeze(1), None if bias is None else bias.float(), groups=x.shape[1])
+    return (silu(out) if activation is not None else out).to(x.dtype)
