@@ -174,8 +174,10 @@ def causal_conv1d_backward(dy, x, weight, bias, seq_idx, silu: bool):
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dz = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     parts = batch * grid[0]
-    dw_part = torch.zeros(max(parts, 1), chans, weight.shape[1], dtype=torch.float32, device=x.device)
-    db_part = torch.zeros(max(parts, 1), chans, dtype=torch.float32, device=x.device)
+    # each (time block, batch row, channel) partial is written by exactly one program (none: zeros to sum)
+    alloc = torch.empty if x.numel() else torch.zeros
+    dw_part = alloc(max(parts, 1), chans, weight.shape[1], dtype=torch.float32, device=x.device)
+    db_part = alloc(max(parts, 1), chans, dtype=torch.float32, device=x.device)
     seq = seq_idx if seq_idx is not None else weight
     stride_s = seq_idx.stride(0) if seq_idx is not None else 0
     if x.numel():

@@ -128,7 +128,9 @@ def rms_norm_gated_backward(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tenso
     dg = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     cfg = _launch_config(n_cols)
     programs = triton.cdiv(n_rows, cfg["BLOCK_M"])
-    partial = torch.zeros((max(programs, 1), n_cols), dtype=torch.float32, device=x.device)
+    # every program writes its whole partial row (no rows: one zero row for the column sum)
+    partial = (torch.empty if n_rows else torch.zeros)((max(programs, 1), n_cols), dtype=torch.float32,
+                                                        device=x.device)
     if n_rows:
         _gated_bwd_kernel[(programs,)](
             dy_rows, x_rows, g_rows, weight, rstd, dx, dg, partial, dy_rows.stride(0), x_rows.stride(0),

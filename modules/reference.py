@@ -315,6 +315,11 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, scaling: dict, theta: float | None) -
     return ((1 / (factor * base)) * (1 - keep) + (1 / base) * keep).to(inv_freq.dtype)
 
 
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 · m · ln(scale) + 1`` (1 without a scale-up), as transformers computes it."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
 def rope_attention_factor(scaling: dict | None) -> float:
     """The factor YaRN multiplies cos and sin by: ``attention_factor`` when given, else ``0.1·ln(factor) + 1``
     (with ``mscale`` and ``mscale_all_dim``: their ratio, DeepSeek-V3's); 1 for every other scaling."""
@@ -323,13 +328,9 @@ def rope_attention_factor(scaling: dict | None) -> float:
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
     factor = float(scaling["factor"])
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     if scaling.get("mscale") and scaling.get("mscale_all_dim"):
-        return mscale(factor, float(scaling["mscale"])) / mscale(factor, float(scaling["mscale_all_dim"]))
-    return mscale(factor)
+        return yarn_mscale(factor, float(scaling["mscale"])) / yarn_mscale(factor, float(scaling["mscale_all_dim"]))
+    return yarn_mscale(factor)
 
 
 class SinusoidalPositionalEncoding(nn.Module):

@@ -15,7 +15,17 @@ wrong weights. Multi-token-prediction layers past ``num_hidden_layers`` (``num_n
 of the causal LM: transformers skips their tensors on load, and so does tritonlm (said in the log).
 """
 
-from ..family import Family, Kernels, Weights, read_decoder, read_dropout, register, write_decoder
+from ...modules.reference import yarn_mscale
+from ..family import (
+    Family,
+    Kernels,
+    Weights,
+    derived_head_dim,
+    read_decoder,
+    read_dropout,
+    register,
+    write_decoder,
+)
 
 DEEPSEEK_V3 = {"vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
                "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": None,
@@ -24,7 +34,7 @@ DEEPSEEK_V3 = {"vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 1
                "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
                "norm_topk_prob": True, "hidden_act": "silu", "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
                "tie_word_embeddings": False, "rope_theta": 10000.0, "rope_interleave": True, "attention_bias": False,
-               "attention_dropout": 0.0, "head_dim": None}
+               "attention_dropout": 0.0, "head_dim": lambda r: r.get("qk_rope_head_dim")}  # (the class derives it)
 GLM4_MOE = {"vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 10944, "num_hidden_layers": 46,
             "num_attention_heads": 96, "num_key_value_heads": 8, "hidden_act": "silu",
             "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
@@ -32,7 +42,7 @@ GLM4_MOE = {"vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 1094
             "moe_intermediate_size": 1408, "num_experts_per_tok": 8, "n_shared_experts": 1, "n_routed_experts": 128,
             "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
             "norm_topk_prob": True, "use_qk_norm": False,
-            "head_dim": lambda r: r.get("hidden_size") // r.get("num_attention_heads")}
+            "head_dim": derived_head_dim}
 #: the multi-token-prediction depth: its layers sit past num_hidden_layers and are not part of the causal LM
 _MTP_KEYS = ("num_nextn_predict_layers", "num_mtp_layers", "output_router_logits")
 SHARED = {"ffn.shared_expert.w1.weight": "mlp.shared_experts.gate_proj.weight",
@@ -74,12 +84,9 @@ def _routing_hf(cfg) -> dict:
 def _yarn_scale(qk_head_dim: int, scaling: dict | None) -> float | None:
     """DeepSeek's softmax scale: ``qk_head_dim^-0.5``, times ``mscale(factor, mscale_all_dim)²`` under a RoPE
     scaling with ``mscale_all_dim`` (None: the plain ``1 / sqrt(head dim)``)."""
-    import math
-
     if not scaling or not scaling.get("mscale_all_dim"):
         return None
-    factor = float(scaling["factor"])
-    m = 1.0 if factor <= 1 else 0.1 * float(scaling["mscale_all_dim"]) * math.log(factor) + 1.0
+    m = yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
     return qk_head_dim ** -0.5 * m * m
 
 
