@@ -173,3 +173,24 @@ def ragged_kv_caches(batch: int, ctx: int, kv_heads: int, d: int, page: int, dty
     table = torch.randperm(batch * blocks, device=device, generator=gen).view(batch, blocks).to(torch.int32)
     order = table.flatten().argsort()  # pool block table[b, i] holds sequence b's i-th block
     return lengths, (k, v, None), (k.view(-1, page, kv_heads, d)[order], v.view(-1, page, kv_heads, d)[order], table)
+
+
+def gated_delta_baselines() -> dict:
+    """Chunked gated delta rule baselines ``{name: fn(q, k, v, g, beta, ...) -> (o, state)}``: transformers' torch
+    fallback (``torch_chunk_gated_delta_rule``, when transformers is installed) and flash-linear-attention's Triton
+    kernel (when ``fla`` is installed and a GPU is present)."""
+    out = {}
+    try:
+        from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+        out["transformers-torch"] = torch_chunk_gated_delta_rule
+    except ImportError:
+        pass
+    if ON_GPU:
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
+            out["flash-linear-attention"] = fla_chunk
+        except ImportError:
+            pass
+    return out

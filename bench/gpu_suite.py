@@ -7,7 +7,8 @@
 Sections: environment; measured copy bandwidth and bf16 matmul peak; the kernel tests rerun on CUDA; op
 benchmarks (RMSNorm, RoPE, SwiGLU gate; forward and backward) against the reference, torch.compile of it,
 PyTorch built-ins and Liger-Kernel when installed; the causal attention subset against SDPA's flash backend;
-the training step for two presets (reference, fused, compiled); MFU; the activation-memory table; and a
+Gated DeltaNet (chunked, decode, conv1d) against transformers' torch fallback and
+flash-linear-attention when installed; the training step for two presets (reference, fused, compiled); MFU; the activation-memory table; and a
 verdict row per §Performance target. Every ratio is measured in this one process, side by side.
 """
 
@@ -149,6 +150,7 @@ def main() -> int:
         attention_rows,
         attention_variant_rows,
         decode_rows,
+        gated_delta_rows,
         hf_rows,
         loss_rows,
         moe_rows,
@@ -164,6 +166,8 @@ def main() -> int:
     section("decode", lambda: {"rows": decode_rows(device, copy_bw, smoke=not on_gpu, time_left=left)}, min_left=60)
     section("lm_head_loss", lambda: {"rows": loss_rows(device, smoke=not on_gpu, time_left=left)}, min_left=60)
     section("moe", lambda: {"rows": moe_rows(device, smoke=not on_gpu, time_left=left)}, min_left=60)
+    section("gated_delta", lambda: {"rows": gated_delta_rows(device, copy_bw, smoke=not on_gpu, time_left=left)},
+            min_left=60)
     section("train_step", lambda: {"rows": train_rows(device, smoke=not on_gpu, time_left=left)}, min_left=60)
     section("hf_train_step", lambda: {"rows": hf_rows(device, smoke=not on_gpu, time_left=left)}, min_left=45)
 

@@ -498,3 +498,73 @@ def decode_rows(device, copy_bw, smoke=False, time_left=lambda: 1e9):
                      f"batch {batch}", "batch": batch, "tokens": made, "s": seconds, "tokens_per_s": made / seconds,
                      "cache_MiB": stats["pool_bytes"] / 2**20, "dense_context_MiB": dense_bytes / 2**20})
     return rows
+
+
+def gated_delta_rows(device, copy_bw, smoke=False, time_left=lambda: 1e9):
+    """Gated DeltaNet at Qwen3.5's layer shape (H 16, HV 32, K = V = 128, bf16; T 4K-32K, batch 1): the chunked
+    forward and forward + backward of ``kernels.chunk_gated_delta_rule`` beside transformers' torch fallback and
+    flash-linear-attention (when installed); then decoding one token per sequence (``fused_recurrent``, the state
+    read and written once: bandwidth on the state bytes) and ``causal_conv1d_fn`` against copy bandwidth."""
+    from tritonlm.kernels import causal_conv1d_fn, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+    from benchutil import gated_delta_baselines
+
+    dtype = torch.float32 if smoke else torch.bfloat16
+    heads, v_heads, d = (2, 4, 16) if smoke else (16, 32, 128)
+    impls = {**gated_delta_baselines(), "tritonlm": chunk_gated_delta_rule}
+    rows = []
+    for seq in ((80,) if smoke else (4096, 16384, 32768)):
+        if time_left() < 60:
+            break
+        q = torch.randn(1, seq, heads, d, device=device, dtype=dtype, requires_grad=True)
+        k = torch.randn(1, seq, heads, d, device=device, dtype=dtype, requires_grad=True)
+        v = torch.randn(1, seq, v_heads, d, device=device, dtype=dtype, requires_grad=True)
+        g = TF.logsigmoid(torch.randn(1, seq, v_heads, device=device) + 3).requires_grad_()
+        beta = torch.rand(1, seq, v_heads, device=device, dtype=dtype).requires_grad_()
+        for impl, fn in impls.items():
+            if impl == "transformers-torch" and seq > (80 if smoke else 16384):
+                continue  # (minutes per call at 32K)
+
+            def fwd(fn=fn, args=(q, k, v, g, beta)):
+                with torch.no_grad():
+                    fn(*args, use_qk_l2norm_in_kernel=True)
+
+            def both(fn=fn, args=(q, k, v, g, beta)):
+                fn(*args, use_qk_l2norm_in_kernel=True)[0].sum().backward()
+
+            try:
+                t_f, t_fb = _ms(_time(fwd, device, smoke)), _ms(_time(both, device, smoke))
+            except Exception as e:  # out of memory, or a baseline that rejects the call
+                rows.append({"group": "chunk", "impl": impl, "case": f"T{seq}", "error": repr(e)[:200]})
+                continue
+            for t in (q, k, v, g, beta):
+                t.grad = None
+            rows.append({"group": "chunk", "impl": impl, "case": f"T{seq} H{heads} HV{v_heads} K{d} V{d}",
+                         "seq": seq, "fwd_ms": t_f, "fwd_bwd_ms": t_fb})
+        del q, k, v, g, beta
+    # ---- decoding: one token per sequence, the fp32 state read and written once
+    for batch in ((2,) if smoke else (1, 16, 64)):
+        if time_left() < 30:
+            break
+        q = torch.randn(batch, 1, heads, d, device=device, dtype=dtype)
+        v = torch.randn(batch, 1, v_heads, d, device=device, dtype=dtype)
+        g, beta = -torch.rand(batch, 1, v_heads, device=device), torch.rand(batch, 1, v_heads, device=device)
+        state = torch.randn(batch, v_heads, d, d, device=device)
+
+        def step(args=(q, q, v, g, beta), state=state):
+            fused_recurrent_gated_delta_rule(*args, initial_state=state, output_final_state=True,
+                                             use_qk_l2norm_in_kernel=True)
+
+        ms = _ms(_time(step, device, smoke))
+        gbps = 2 * state.numel() * 4 / ms / 1e6
+        rows.append({"group": "decode", "impl": "tritonlm", "case": f"batch {batch}", "batch": batch, "ms": ms,
+                     "GBps": gbps, "pct_copy_bw": 100 * gbps * 1e9 / copy_bw})
+    # ---- the short convolution: Qwen3.5's q/k/v channels (8192), 4 taps, SiLU, forward
+    tokens, chans = (64, 48) if smoke else (16384, 8192)
+    x = torch.randn(1, tokens, chans, device=device, dtype=dtype).transpose(1, 2)
+    w = torch.randn(chans, 4, device=device, dtype=dtype)
+    ms = _ms(_time(lambda: causal_conv1d_fn(x, w, None, "silu"), device, smoke))
+    gbps = 2 * x.numel() * x.element_size() / ms / 1e6
+    rows.append({"group": "conv1d", "impl": "tritonlm", "case": f"T{tokens} D{chans} W4", "ms": ms, "GBps": gbps,
+                 "pct_copy_bw": 100 * gbps * 1e9 / copy_bw})
+    return rows

@@ -110,6 +110,20 @@ def verdicts(report) -> list[dict]:
             if "tritonlm" in by and rival in by:
                 s = by[rival]["fwd_bwd_ms"] / by["tritonlm"]["fwd_bwd_ms"]
                 add(f"MoE experts fwd+bwd {shape}: >= {floor}x {rival}", s >= floor, f"{s:.2f}x")
+    delta = [r for r in _rows(report, "gated_delta") if "error" not in r]
+    for case in sorted({r["case"] for r in delta if r["group"] == "chunk"}):
+        by = {r["impl"]: r for r in delta if r["group"] == "chunk" and r["case"] == case}
+        for rival, floor in (("transformers-torch", 10.0), ("flash-linear-attention", 1.0)):
+            if "tritonlm" in by and rival in by:
+                s = by[rival]["fwd_bwd_ms"] / by["tritonlm"]["fwd_bwd_ms"]
+                add(f"gated delta fwd+bwd {case}: >= {floor}x {rival}", s >= floor, f"{s:.2f}x")
+    for r in delta:
+        if r["group"] == "decode":
+            add(f"gated delta decode {r['case']}: state at >= 70% of copy bandwidth", r["pct_copy_bw"] >= 70,
+                f"{r['pct_copy_bw']:.0f}%")
+        if r["group"] == "conv1d":
+            add(f"causal conv1d {r['case']}: >= 85% of copy bandwidth", r["pct_copy_bw"] >= 85,
+                f"{r['pct_copy_bw']:.0f}%")
     steps = [r for r in _rows(report, "train_step") if r.get("mean_s")]
     for preset in sorted({r["preset"] for r in steps}):
         by = {r["impl"]: r for r in steps if r["preset"] == preset}
@@ -205,6 +219,8 @@ def render_markdown(report) -> str:
                                    "dense_context_MiB", "error"]),
                        ("lm_head_loss", ["shape", "dtype", "impl", "fwd_bwd_ms", "peak_MiB", "error"]),
                        ("moe", ["shape", "dtype", "impl", "fwd_ms", "fwd_bwd_ms", "fwd_TFLOPs", "fwd_bwd_TFLOPs", "error"]),
+                       ("gated_delta", ["group", "impl", "case", "fwd_ms", "fwd_bwd_ms", "ms", "GBps", "pct_copy_bw",
+                                        "error"]),
                        ("train_step", ["preset", "impl", "batch", "seq", "mean_s", "std_s", "tokens_per_s", "mfu", "train_TFLOPs", "peak_bytes", "error"]),
                        ("hf_train_step", ["shape", "dtype", "impl", "step_ms", "tokens_per_s", "peak_MiB", "error"]),
                        ("sweep", ["kernel", "key", "config", "ms", "vs_shipped", "best", "shipped_config", "error"]),

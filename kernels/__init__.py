@@ -2,7 +2,8 @@
 
 Functional entry points: :func:`rms_norm`, :func:`add_rms_norm`, :func:`qk_rms_norm` (an attention layer's q and
 k norms in one launch), :func:`rms_norm_gated` (Qwen3.5's norm before the gate),
-:func:`causal_conv1d_fn` / :func:`causal_conv1d_update` (Gated DeltaNet's short convolution), :func:`apply_rope`, :func:`swiglu_gate`,
+:func:`causal_conv1d_fn` / :func:`causal_conv1d_update` (Gated DeltaNet's short convolution),
+:func:`chunk_gated_delta_rule` / :func:`fused_recurrent_gated_delta_rule` (Gated DeltaNet itself), :func:`apply_rope`, :func:`swiglu_gate`,
 :func:`flash_attention`; losses :func:`cross_entropy` (on logits) and :func:`linear_cross_entropy` (LM head +
 loss without materialising the logits).
 Attention Functions: :class:`FlashAttention` (Triton) and :class:`FlashAttentionTorch` (tiled PyTorch), both with
@@ -38,6 +39,7 @@ from .attention import (  # noqa: E402
     flash_attn_with_kvcache,
 )
 from .moe import MoEExpertsFunction, moe_experts  # noqa: E402
+from .gated_delta import GatedDeltaRuleFunction, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule  # noqa: E402
 # isort: on
 
 __all__ = [
@@ -46,5 +48,6 @@ __all__ = [
     "SwiGLUGateFunction", "CrossEntropyFunction", "LinearCrossEntropyFunction", "moe_experts", "MoEExpertsFunction",
     "qk_rms_norm", "QKNormFunction", "rms_norm_gated", "RMSNormGatedFunction",
     "causal_conv1d_fn", "causal_conv1d_update", "CausalConv1dFunction",
+    "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "GatedDeltaRuleFunction",
     "INTERPRETING",
 ]

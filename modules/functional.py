@@ -272,3 +272,51 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     padded = TF.pad(x.float(), (n_taps - 1, 0))  # W - 1 zeros before the first input
     out = TF.conv1d(padded, weight.float().unsqueeze(1), None if bias is None else bias.float(), groups=x.shape[1])
     return (silu(out) if activation is not None else out).to(x.dtype)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(Σ x² + eps)`` over the last axis (flash-linear-attention's and transformers' ``l2norm``)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     scale: float | None = None, initial_state: torch.Tensor | None = None,
+                     output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+                     cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gated delta rule token by token, the readable spec of ``kernels.chunk_gated_delta_rule`` and
+    ``kernels.fused_recurrent_gated_delta_rule``. ``q, k [batch, seq, heads, d_k]``, ``v [batch, seq, v_heads, d_v]``
+    (value head ``j`` reads query/key head ``j // (v_heads / heads)``), ``g, beta [batch, seq, v_heads]``. Per value
+    head, with the state ``S [d_k, d_v]``::
+
+        S = S · exp(g_t);   S = S + k_t ⊗ beta_t (v_t − Sᵀ k_t);   o_t = scale · Sᵀ q_t
+
+    ``cu_seqlens [docs + 1]`` (batch 1) restarts the state at each document. Computed in fp32; returns ``(o [batch,
+    seq, v_heads, d_v]`` in v's dtype, the final state ``[docs or batch, v_heads, d_k, d_v]`` fp32 or None). fp64
+    inputs are computed in fp64 (the tests' recomputation)."""
+    out_dtype = v.dtype
+    work = torch.float64 if v.dtype == torch.float64 else torch.float32
+    n_heads, n_v_heads, d_k = k.shape[2], v.shape[2], k.shape[3]
+    q, k, v, g, beta = (t.to(work) for t in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q, k = l2_normalize(q), l2_normalize(k)
+    q = q * (d_k ** -0.5 if scale is None else scale)
+    group = n_v_heads // n_heads
+    q, k = (t.repeat_interleave(group, dim=2) for t in (q, k))
+    if cu_seqlens is None:
+        docs = [(b, 0, q.shape[1]) for b in range(q.shape[0])]
+    else:
+        bounds = cu_seqlens.tolist()
+        docs = [(0, start, end) for start, end in zip(bounds[:-1], bounds[1:])]
+    out = torch.zeros_like(v)
+    finals = []
+    for n, (b, start, end) in enumerate(docs):
+        state = (torch.zeros(n_v_heads, d_k, v.shape[3], device=v.device, dtype=work) if initial_state is None
+                 else initial_state[n].to(work))
+        for t in range(start, end):
+            state = state * g[b, t].exp()[:, None, None]
+            predicted = einsum(state, k[b, t], "heads d_k d_v, heads d_k -> heads d_v")
+            state = state + einsum(k[b, t], beta[b, t, :, None] * (v[b, t] - predicted),
+                                   "heads d_k, heads d_v -> heads d_k d_v")
+            out[b, t] = einsum(state, q[b, t], "heads d_k d_v, heads d_k -> heads d_v")
+        finals.append(state)
+    return out.to(out_dtype), (torch.stack(finals) if output_final_state else None)
