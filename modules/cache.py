@@ -50,6 +50,20 @@ class KVCache:
         return self.k[..., :self.length, :], self.v[..., :self.length, :]
 
 
+class RecurrentCache:
+    """A Gated DeltaNet layer's state for incremental decoding (what the layer receives as its ``kv_cache``): the
+    short convolution's last ``W - 1`` inputs ``conv_state [batch, channels, W - 1]`` and the delta rule's
+    ``state [batch, HV, d_k, d_v]`` (fp32). Fixed size whatever the length; ``length`` counts the positions seen."""
+
+    def __init__(self):
+        self.length = 0
+        self.conv_state: torch.Tensor | None = None
+        self.state: torch.Tensor | None = None
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.conv_state, self.state) if t is not None)
+
+
 class Documents:
     """Packed documents of a ``[batch, seq]`` batch: ``ids[batch, seq]``, non-decreasing along seq. A token attends
     only to earlier tokens of its own document, and RoPE positions restart at 0 per document.
@@ -116,6 +130,8 @@ class PagedKVCache:
         self.cache_seqlens: torch.Tensor | None = None
         self.reserved = 0  # blocks handed out so far (the pools are grown to this on their next write)
         self.peak_blocks = 0  # most blocks held by sequences at once
+        # Gated DeltaNet layers: {layer: {sequence: (conv_state, state)}}, fixed size per sequence (no blocks)
+        self.recurrent: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
     # ---- bookkeeping (host side)
     @property
@@ -127,8 +143,9 @@ class PagedKVCache:
         return sum(len(t) for t in self.tables.values())
 
     def nbytes(self) -> int:
-        """Bytes of the pools (keys and values of every layer)."""
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v) if t is not None)
+        """Bytes of the pools (keys and values of every layer) and of the recurrent layers' states."""
+        states = [t for layer in self.recurrent.values() for pair in layer.values() for t in pair]
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *states) if t is not None)
 
     def add_sequence(self, seq_id: int) -> None:
         if seq_id in self.tables:
@@ -139,6 +156,8 @@ class PagedKVCache:
         """Drop a finished sequence: its blocks go back to the free list."""
         self.free_blocks.extend(reversed(self.tables.pop(seq_id)))
         del self.lengths[seq_id]
+        for layer in self.recurrent.values():
+            layer.pop(seq_id, None)
 
     def _take_block(self) -> int:
         if not self.free_blocks:  # double the pool (the tensors grow on their next write)
@@ -179,6 +198,24 @@ class PagedKVCache:
 
     def layer(self, index: int) -> PagedLayerCache:
         return PagedLayerCache(self, index)
+
+    # ---- recurrent layers (Gated DeltaNet): one fixed-size state per sequence
+    def recurrent_states(self, index: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Layer ``index``'s ``(conv_state, state)`` for the step's sequences, stacked in batch order (None when
+        every one of them is new; a new one among others starts from zeros)."""
+        held = self.recurrent.get(index, {})
+        pairs = [held.get(s) for s in self.active]
+        if all(p is None for p in pairs):
+            return None, None
+        like = next(p for p in pairs if p is not None)
+        pairs = [p if p is not None else (torch.zeros_like(like[0]), torch.zeros_like(like[1])) for p in pairs]
+        return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+    def store_recurrent(self, index: int, conv_state: torch.Tensor, state: torch.Tensor) -> None:
+        """Keep each of the step's sequences' new ``(conv_state, state)`` (batch order)."""
+        held = self.recurrent.setdefault(index, {})
+        for row, s in enumerate(self.active):
+            held[s] = (conv_state[row], state[row])
 
     # ---- storage (device side)
     def pools(self, index: int, like: torch.Tensor, like_v: torch.Tensor | None = None

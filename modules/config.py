@@ -137,6 +137,17 @@ class ModelConfig:
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
     latent_norm_eps: float = 1e-6
+    # Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next): the layers in linear_layers replace attention with Gated DeltaNet
+    # linear attention: linear_num_key_heads query/key heads of linear_key_head_dim, linear_num_value_heads value
+    # heads (a multiple) of linear_value_head_dim, a depthwise causal conv of linear_conv_kernel taps (SiLU) over
+    # q/k/v, the delta rule with a learned decay, a gated RMSNorm before the output projection
+    linear_layers: tuple | None = None
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel: int = 4
+    attn_output_gate: bool = False  # attention output times sigmoid(a per-feature gate projection of x) (Qwen3.5)
     # the dropout probability the checkpoint was trained with (Seed-OSS: 0.1). The kernels have no dropout: eval
     # and generation are exact, a forward in training mode with dropout > 0 is an error (replace it with 0.0 to
     # fine-tune without dropout)
@@ -187,6 +198,7 @@ class ModelConfig:
         self._check_mla()
         self._check_gemma2()
         self._check_granite()
+        self._check_linear()
         for name, allowed in (("norm", NORMS), ("ffn", FFNS), ("position", POSITIONS),
                               ("norm_position", NORM_POSITIONS)):
             if getattr(self, name) not in allowed:
@@ -331,6 +343,35 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name} must be a positive number, got {value!r}")
         if self.model_type is not None and not isinstance(self.model_type, str):
             raise ValueError(f"ModelConfig.model_type must be a string or None, got {self.model_type!r}")
+
+    def _check_linear(self) -> None:
+        if not isinstance(self.attn_output_gate, bool):
+            raise ValueError(f"ModelConfig.attn_output_gate must be a bool, got {self.attn_output_gate!r}")
+        if self.attn_output_gate and self.attention != "mha":
+            raise ValueError("ModelConfig.attn_output_gate needs attention='mha'")
+        if self.linear_layers is None:
+            return
+        object.__setattr__(self, "linear_layers", tuple(self.linear_layers))  # (JSON gives lists back)
+        if not all(isinstance(i, int) and 0 <= i < self.num_layers for i in self.linear_layers):
+            raise ValueError(f"ModelConfig.linear_layers must be layer indices in [0, {self.num_layers}), got "
+                             f"{self.linear_layers!r}")
+        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_conv_kernel"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"ModelConfig.linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple "
+                             f"of linear_num_key_heads ({self.linear_num_key_heads})")
+        if max(self.linear_key_head_dim, self.linear_value_head_dim) > 256:
+            raise ValueError("ModelConfig.linear_key_head_dim / linear_value_head_dim: the Gated DeltaNet kernels "
+                             "take head sizes up to 256")
+        if self.norm_position != "pre":
+            raise ValueError("ModelConfig.linear_layers needs norm_position='pre'")
+
+    def is_linear_layer(self, index: int) -> bool:
+        """Whether layer ``index`` is a Gated DeltaNet (linear attention) layer rather than attention."""
+        return self.linear_layers is not None and index in self.linear_layers
 
     def layer_has_rope(self, index: int) -> bool:
         """Whether layer ``index``'s attention rotates its queries and keys (RoPE, not one of ``nope_layers``)."""

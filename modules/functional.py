@@ -27,6 +27,11 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(x)
 
 
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 + e^x)``, and ``x`` itself past 20 where the two agree in fp32 (PyTorch's and transformers' form)."""
+    return TF.softplus(x)
+
+
 def causal_mask(n_queries: int, n_keys: int, device=None, window: int | None = None) -> torch.Tensor:
     """Boolean ``[n_queries, n_keys]`` mask, True = attend, aligned to the bottom-right.
 
@@ -267,10 +272,11 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   activation: str | None = None) -> torch.Tensor:
     """Depthwise causal conv1d, the readable spec of ``kernels.causal_conv1d_fn``: ``x [batch, D, T]``, ``weight
     [D, W]`` -> ``[batch, D, T]``; output ``t`` sees inputs ``t - W + 1 .. t`` (zero before the sequence), then the
-    bias and, with ``activation="silu"``, SiLU. Computed in fp32, returned in x's dtype."""
+    bias and, with ``activation="silu"``, SiLU. Computed in fp32 (fp64 for fp64 inputs), returned in x's dtype."""
     n_taps = weight.shape[-1]
-    padded = TF.pad(x.float(), (n_taps - 1, 0))  # W - 1 zeros before the first input
-    out = TF.conv1d(padded, weight.float().unsqueeze(1), None if bias is None else bias.float(), groups=x.shape[1])
+    work = torch.promote_types(x.dtype, torch.float32)  # (fp64 inputs stay fp64)
+    padded = TF.pad(x.to(work), (n_taps - 1, 0))  # W - 1 zeros before the first input
+    out = TF.conv1d(padded, weight.to(work).unsqueeze(1), None if bias is None else bias.to(work), groups=x.shape[1])
     return (silu(out) if activation is not None else out).to(x.dtype)
 
 

@@ -36,7 +36,7 @@ from .reference import (  # noqa: F401  (unchanged components, re-exported for a
 __all__ = [
     "Linear", "Embedding", "RMSNorm", "LayerNorm", "BatchNorm", "RotaryPositionalEmbedding",
     "SinusoidalPositionalEncoding", "SwiGLU", "GeGLU", "ReLUFFN", "SiLUFFN", "MoEExperts", "MoEFFN", "MultiHeadSelfAttention",
-    "MultiHeadLatentAttention", "RMSNormGated",
+    "MultiHeadLatentAttention", "RMSNormGated", "GatedDeltaNet",
     "KVCache",
     "TransformerBlock", "TransformerLM", "fuse", "unfuse", "lm_head_loss",
 ]
@@ -177,6 +177,52 @@ class MultiHeadLatentAttention(_ref.MultiHeadLatentAttention, MultiHeadSelfAtten
         return out.transpose(-3, -2)
 
 
+class GatedDeltaNet(_ref.GatedDeltaNet):
+    """:class:`reference.GatedDeltaNet` on the Triton kernels: ``causal_conv1d_fn`` (packed documents through
+    ``seq_idx``; with a cache, ``causal_conv1d_update`` on the state in place), ``chunk_gated_delta_rule`` (packed
+    documents through ``cu_seqlens``; one new token against a cache: ``fused_recurrent_gated_delta_rule``) and the
+    gated RMSNorm kernel."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.norm.__class__ = RMSNormGated
+
+    def forward(self, x, token_positions=None, kv_cache=None, documents=None):
+        _ref._check_last_dim(x, self.d_model, "GatedDeltaNet")
+        squeeze = x.dim() == 2
+        if squeeze:
+            x = x.unsqueeze(0)
+        kernels = _kernels()
+        batch, seq, _ = x.shape
+        mixed = self.in_proj_qkv(x).transpose(-1, -2)                      # [batch, channels, seq] (a view)
+        weight = self.conv1d_weight.squeeze(1)
+        g, beta = self.gates(x)
+        if kv_cache is not None:
+            conv_state, state = self.cache_states(kv_cache, batch)
+            conv_state = (mixed.new_zeros(batch, self.conv_dim, self.conv_kernel - 1) if conv_state is None
+                          else conv_state.to(mixed.dtype).contiguous())
+            conv = kernels.causal_conv1d_update(mixed, conv_state, weight, None, "silu")  # (state updated in place)
+            q, k, v = self.split_heads(conv.transpose(-1, -2))
+            step = kernels.fused_recurrent_gated_delta_rule if seq == 1 else kernels.chunk_gated_delta_rule
+            o, state = step(q, k, v, g, beta, initial_state=state, output_final_state=True,
+                            use_qk_l2norm_in_kernel=True)
+            self.store_states(kv_cache, conv_state, state, seq)
+        elif documents is not None:
+            seq_idx = documents.ids.to(torch.int32)
+            conv = kernels.causal_conv1d_fn(mixed, weight, None, "silu", seq_idx=seq_idx)
+            q, k, v = (t.reshape(1, batch * seq, *t.shape[2:]) for t in self.split_heads(conv.transpose(-1, -2)))
+            o, _ = kernels.chunk_gated_delta_rule(q, k, v, g.reshape(1, batch * seq, -1),
+                                                  beta.reshape(1, batch * seq, -1), use_qk_l2norm_in_kernel=True,
+                                                  cu_seqlens=documents.cu_seqlens)
+            o = o.reshape(batch, seq, *o.shape[2:])
+        else:
+            conv = kernels.causal_conv1d_fn(mixed, weight, None, "silu")
+            o, _ = kernels.chunk_gated_delta_rule(*self.split_heads(conv.transpose(-1, -2)), g, beta,
+                                                  use_qk_l2norm_in_kernel=True)
+        out = self.finish(o, x)
+        return out[0] if squeeze else out
+
+
 class MoEExperts(_ref.MoEExperts):
     """:class:`reference.MoEExperts` as the fused grouped GEMMs (``kernels.moe_experts``): dropless, no token
     copies, deterministic weight gradients."""
@@ -230,6 +276,7 @@ _FUSED = {
     _ref.MultiHeadLatentAttention: MultiHeadLatentAttention,
     _ref.MoEExperts: MoEExperts,
     _ref.MoEFFN: MoEFFN,
+    _ref.GatedDeltaNet: GatedDeltaNet,
 }
 _UNFUSED = {v: k for k, v in _FUSED.items()}
 

@@ -14,7 +14,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from .cache import Documents, KVCache, PagedKVCache
+from .cache import Documents, KVCache, PagedKVCache, RecurrentCache
 from .config import ModelConfig
 from .functional import load_balancing_loss
 from .sampling import sample_next
@@ -92,7 +92,12 @@ def _make_ffn(kind: str, comps, d_model: int, d_ff: int, device, dtype, config: 
 
 def _make_attention(config: ModelConfig, comps, theta, rope_scaling, rotary: bool, device, dtype,
                     layer_idx: int) -> nn.Module:
-    """Layer ``layer_idx``'s attention: multi-head (GQA, windows, sinks, ...) or DeepSeek's latent attention (MLA)."""
+    """Layer ``layer_idx``'s token mixer: multi-head attention (GQA, windows, sinks, ...), DeepSeek's latent attention
+    (MLA), or in a hybrid's linear layers Gated DeltaNet."""
+    if config.is_linear_layer(layer_idx):
+        return comps.GatedDeltaNet(config.d_model, config.linear_num_key_heads, config.linear_num_value_heads,
+                                   config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel,
+                                   config.norm_eps, device=device, dtype=dtype)
     if config.attention == "mla":
         return comps.MultiHeadLatentAttention(
             config.d_model, config.num_heads, config.context_length, theta, device=device, dtype=dtype,
@@ -108,7 +113,8 @@ def _make_attention(config: ModelConfig, comps, theta, rope_scaling, rotary: boo
                                         softmax_scale=config.query_scale, softcap=config.attn_softcap,
                                         window=config.layer_window(layer_idx),
                                         rotary_dim=config.rotary_dim if rotary else None,
-                                        out_bias=config.attn_out_bias, sinks=config.attention_sinks)
+                                        out_bias=config.attn_out_bias, sinks=config.attention_sinks,
+                                        output_gate=config.attn_output_gate)
 
 
 def _add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -393,9 +399,11 @@ class TransformerLM(nn.Module):
         return self.ln_final(x) if pending is None else _add_norm(self.ln_final, pending, x)[0]
 
     def new_kv_caches(self, reserve: int | None = None):
-        """One empty :class:`KVCache` per layer, each holding up to ``context_length`` positions; storage is
-        allocated for ``reserve`` positions first and grows with use."""
-        return [KVCache(self.context_length, reserve) for _ in self.layers]
+        """One empty cache per layer: a :class:`KVCache` per attention layer, holding up to ``context_length``
+        positions (storage allocated for ``reserve`` positions first, growing with use), and a fixed-size
+        :class:`RecurrentCache` per Gated DeltaNet layer."""
+        return [RecurrentCache() if self.config.is_linear_layer(i) else KVCache(self.context_length, reserve)
+                for i in range(len(self.layers))]
 
     @torch.no_grad()
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,

@@ -16,15 +16,15 @@ from einops import einsum, rearrange, repeat
 from torch import nn
 
 from . import functional as F
-from .cache import Documents, KVCache, PagedLayerCache
+from .cache import Documents, KVCache, PagedLayerCache, RecurrentCache  # noqa: F401  (re-exported)
 from .config import check_rope_scaling, default_d_ff
 from .model import TransformerBlock, TransformerLM, register_components  # noqa: F401  (the one shared assembly)
 
 __all__ = [
     "Linear", "Embedding", "RMSNorm", "LayerNorm", "BatchNorm", "RotaryPositionalEmbedding",
     "SinusoidalPositionalEncoding", "SwiGLU", "GeGLU", "ReLUFFN", "SiLUFFN", "MoEExperts", "MoEFFN", "MultiHeadSelfAttention",
-    "MultiHeadLatentAttention", "RMSNormGated",
-    "KVCache", "TransformerBlock", "TransformerLM", "lm_head_loss",
+    "MultiHeadLatentAttention", "RMSNormGated", "GatedDeltaNet",
+    "KVCache", "RecurrentCache", "TransformerBlock", "TransformerLM", "lm_head_loss",
 ]
 
 
@@ -145,9 +145,10 @@ class RMSNormGated(nn.Module):
         _check_float(x, "RMSNormGated")
         if gate.shape != x.shape:
             raise ValueError(f"RMSNormGated: gate {tuple(gate.shape)} must have x's shape {tuple(x.shape)}")
-        xf = x.float()
+        work = torch.promote_types(x.dtype, torch.float32)  # (fp32, or fp64 for an fp64 recomputation)
+        xf = x.to(work)
         x_hat = (xf / torch.sqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)).to(x.dtype)
-        gated = self.weight * x_hat * F.silu(gate.float())
+        gated = self.weight * x_hat * F.silu(gate.to(work))
         return gated.to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -524,7 +525,8 @@ class MultiHeadSelfAttention(nn.Module):
     ``softcap · tanh(s / softcap)``) and ``window`` (a query sees its ``window`` most recent positions). Phi-3:
     ``rotary_dim`` (RoPE on each head's first ``rotary_dim`` features only). ``out_bias``: a bias on the output
     projection (ERNIE 4.5, Seed-OSS). ``sinks``: a learned attention-sink logit per query head (``sinks [num_heads]``,
-    gpt-oss), one more entry of each row's softmax that carries no value.
+    gpt-oss), one more entry of each row's softmax that carries no value. ``output_gate``: the attention output
+    times ``sigmoid(gate_proj(x))`` before the output projection (``gate_proj [num_heads·d_k, d_model]``: Qwen3.5).
     """
 
     def __init__(self, d_model: int, num_heads: int, max_seq_len: int | None = None,
@@ -532,7 +534,8 @@ class MultiHeadSelfAttention(nn.Module):
                  rope_scaling: dict | None = None, head_dim: int | None = None, qkv_bias: bool = False,
                  qk_norm: str | None = None, norm_eps: float = 1e-5, norm_offset: bool = False,
                  softmax_scale: float | None = None, softcap: float | None = None, window: int | None = None,
-                 rotary_dim: int | None = None, out_bias: bool = False, sinks: bool = False):
+                 rotary_dim: int | None = None, out_bias: bool = False, sinks: bool = False,
+                 output_gate: bool = False):
         super().__init__()
         if head_dim is None and d_model % num_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
@@ -549,6 +552,8 @@ class MultiHeadSelfAttention(nn.Module):
         self.k_proj = Linear(d_model, num_kv_heads * self.d_k, device=device, dtype=dtype, bias=qkv_bias)
         self.v_proj = Linear(d_model, num_kv_heads * self.d_k, device=device, dtype=dtype, bias=qkv_bias)
         self.output_proj = Linear(num_heads * self.d_k, d_model, device=device, dtype=dtype, bias=out_bias)
+        # (Qwen3.5, Qwen3-Next) the attention output times sigmoid(gate_proj(x)), feature by feature
+        self.gate_proj = Linear(d_model, num_heads * self.d_k, device=device, dtype=dtype) if output_gate else None
         self.q_norm = self.k_norm = None
         if qk_norm == "head":
             self.q_norm = RMSNorm(self.d_k, norm_eps, device=device, dtype=dtype, offset=norm_offset)
@@ -588,8 +593,10 @@ class MultiHeadSelfAttention(nn.Module):
         if self.rope is not None:
             positions, trusted = self._positions(seq, past, token_positions, kv_cache, documents, x.device)
             q, k = self.rotate(q, k, positions, trusted=trusted)
-        out = self._attend_cached(q, k, v, kv_cache, documents)
-        return self.output_proj(rearrange(out, "... heads seq d_k -> ... seq (heads d_k)"))
+        out = rearrange(self._attend_cached(q, k, v, kv_cache, documents), "... heads seq d_k -> ... seq (heads d_k)")
+        if self.gate_proj is not None:
+            out = out * torch.sigmoid(self.gate_proj(x))
+        return self.output_proj(out)
 
     @staticmethod
     def _positions(seq, past, token_positions, kv_cache, documents, device):
@@ -784,3 +791,117 @@ class MultiHeadLatentAttention(MultiHeadSelfAttention):
 
 # the assembly builds its components from this namespace for backend="reference"
 register_components("reference", sys.modules[__name__])
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet linear attention (Qwen3.5 / Qwen3-Next's ``linear_attention`` layers), the readable spec.
+
+    ``x [batch, seq, d_model]``: ``in_proj_qkv`` gives the q, k, v features (``[2·H·d_k + HV·d_v]``, q's heads then
+    k's then v's), which a depthwise causal conv (``conv1d_weight [channels, 1, W]``, no bias) and SiLU mix over the
+    last ``W`` positions; then per value head the gated delta rule (:func:`functional.gated_delta_rule`, q and k
+    L2-normalised, scale ``d_k^-1/2``) with ``beta = sigmoid(in_proj_b x)`` and the log decay ``g = -exp(A_log) ·
+    softplus(in_proj_a x + dt_bias)``; the output per head through a gated RMSNorm (``norm``, gate ``in_proj_z x``)
+    and ``out_proj``. Value head ``j`` reads q/k head ``j // (HV / H)``.
+
+    Packed ``documents`` restart the conv and the state per document; a :class:`RecurrentCache` (or a paged cache's
+    layer) carries the conv's last ``W - 1`` inputs and the state ``[batch, HV, d_k, d_v]`` (fp32) between calls:
+    fixed size whatever the length.
+    """
+
+    rope = None  # (no positions: the model's RoPE sharing skips this layer)
+
+    def __init__(self, d_model: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
+                 conv_kernel: int = 4, norm_eps: float = 1e-6, device=None, dtype=None):
+        super().__init__()
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"num_v_heads ({num_v_heads}) must be a multiple of num_k_heads ({num_k_heads})")
+        self.d_model, self.num_k_heads, self.num_v_heads = d_model, num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim, self.conv_kernel = head_k_dim, head_v_dim, conv_kernel
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkv = Linear(d_model, self.conv_dim, device=device, dtype=dtype)
+        self.in_proj_z = Linear(d_model, self.value_dim, device=device, dtype=dtype)
+        self.in_proj_b = Linear(d_model, num_v_heads, device=device, dtype=dtype)
+        self.in_proj_a = Linear(d_model, num_v_heads, device=device, dtype=dtype)
+        self.conv1d_weight = nn.Parameter(torch.empty(self.conv_dim, 1, conv_kernel, device=device, dtype=dtype))
+        nn.init.uniform_(self.conv1d_weight, -conv_kernel ** -0.5, conv_kernel ** -0.5)  # (nn.Conv1d's init)
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads, device=device, dtype=dtype))
+        # log of a per-head decay rate in [1, 16] (transformers' init draws it from [0.01, 16])
+        self.A_log = nn.Parameter(torch.empty(num_v_heads, device=device, dtype=dtype).uniform_(1, 16).log_())
+        self.norm = RMSNormGated(head_v_dim, norm_eps, device=device, dtype=dtype)
+        self.out_proj = Linear(self.value_dim, d_model, device=device, dtype=dtype)
+
+    # ---- the pieces both backends share
+    def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(g, beta)`` ``[batch, seq, HV]``: the log decay (fp32, as transformers computes it) and the rate."""
+        beta = torch.sigmoid(self.in_proj_b(x))
+        work = torch.promote_types(x.dtype, torch.float32)
+        g = -self.A_log.to(work).exp() * F.softplus(self.in_proj_a(x).to(work) + self.dt_bias)
+        return g, beta
+
+    def split_heads(self, mixed: torch.Tensor):
+        """The conv's output ``[batch, seq, channels]`` as ``q, k [batch, seq, H, d_k]``, ``v [batch, seq, HV, d_v]``."""
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (rearrange(q, "... (heads d) -> ... heads d", d=self.head_k_dim),
+                rearrange(k, "... (heads d) -> ... heads d", d=self.head_k_dim),
+                rearrange(v, "... (heads d) -> ... heads d", d=self.head_v_dim))
+
+    def finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The delta rule's output ``[batch, seq, HV, d_v]`` through the gated norm and the output projection."""
+        z = rearrange(self.in_proj_z(x), "... (heads d) -> ... heads d", d=self.head_v_dim)
+        return self.out_proj(rearrange(self.norm(o, z), "... heads d -> ... (heads d)"))
+
+    @staticmethod
+    def cache_states(kv_cache, batch: int):
+        """``(conv_state, state)`` of the layer's cache for this call (None: a new sequence)."""
+        if isinstance(kv_cache, PagedLayerCache):
+            return kv_cache.cache.recurrent_states(kv_cache.index)
+        return kv_cache.conv_state, kv_cache.state
+
+    @staticmethod
+    def store_states(kv_cache, conv_state: torch.Tensor, state: torch.Tensor, seq: int) -> None:
+        if isinstance(kv_cache, PagedLayerCache):
+            kv_cache.cache.store_recurrent(kv_cache.index, conv_state, state)
+        else:
+            kv_cache.conv_state, kv_cache.state = conv_state, state
+            kv_cache.length += seq
+
+    def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None, kv_cache=None,
+                documents: Documents | None = None) -> torch.Tensor:
+        """``x [batch, seq, d_model] -> [batch, seq, d_model]`` (positions play no part)."""
+        _check_last_dim(x, self.d_model, "GatedDeltaNet")
+        squeeze = x.dim() == 2
+        if squeeze:
+            x = x.unsqueeze(0)
+        batch, seq, _ = x.shape
+        mixed = self.in_proj_qkv(x).transpose(-1, -2)                      # [batch, channels, seq]
+        weight = self.conv1d_weight.squeeze(1)
+        g, beta = self.gates(x)
+        if kv_cache is not None:
+            conv_state, state = self.cache_states(kv_cache, batch)
+            if conv_state is None:
+                conv_state = mixed.new_zeros(batch, self.conv_dim, self.conv_kernel - 1)
+            joined = torch.cat([conv_state.to(mixed.dtype), mixed], dim=-1)
+            conv = F.causal_conv1d(joined, weight, None, "silu")[..., -seq:]
+            q, k, v = self.split_heads(conv.transpose(-1, -2))
+            o, state = F.gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True,
+                                          use_qk_l2norm_in_kernel=True)
+            self.store_states(kv_cache, joined[..., -(self.conv_kernel - 1):], state, seq)
+        elif documents is not None:  # each document alone: its own zero history for the conv and the state
+            bounds = documents.cu_seqlens.tolist()
+            flat = mixed.transpose(0, 1).reshape(self.conv_dim, batch * seq)
+            conv = torch.cat([F.causal_conv1d(flat[None, :, a:b], weight, None, "silu")[0]
+                              for a, b in zip(bounds[:-1], bounds[1:])], dim=-1)
+            q, k, v = self.split_heads(conv.T[None])
+            o, _ = F.gated_delta_rule(q, k, v, g.reshape(1, batch * seq, -1), beta.reshape(1, batch * seq, -1),
+                                      use_qk_l2norm_in_kernel=True, cu_seqlens=documents.cu_seqlens)
+            o = o.reshape(batch, seq, *o.shape[2:])
+        else:
+            q, k, v = self.split_heads(F.causal_conv1d(mixed, weight, None, "silu").transpose(-1, -2))
+            o, _ = F.gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+        out = self.finish(o, x)
+        return out[0] if squeeze else out
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, heads={self.num_k_heads}/{self.num_v_heads}, "
+                f"head_dims={self.head_k_dim}/{self.head_v_dim}, conv_kernel={self.conv_kernel}")

@@ -66,6 +66,20 @@ def _mla_vectors(cfg: ModelConfig) -> int:
     return lora + cfg.kv_lora_rank + (lora + cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.qkv_bias
 
 
+def _linear_sizes(cfg: ModelConfig) -> tuple[int, int, int]:
+    """A Gated DeltaNet layer's ``(q/k/v conv channels, value features, value heads)``."""
+    value = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    return 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + value, value, cfg.linear_num_value_heads
+
+
+def _linear_params(cfg: ModelConfig) -> int:
+    """A Gated DeltaNet layer's token mixer: the q/k/v, z, beta and decay projections, the conv taps, ``dt_bias`` and
+    ``A_log``, the gated norm's weight and the output projection."""
+    channels, value, heads = _linear_sizes(cfg)
+    return (cfg.d_model * (channels + value + 2 * heads) + channels * cfg.linear_conv_kernel + 2 * heads
+            + cfg.linear_value_head_dim + value * cfg.d_model)
+
+
 def param_count(cfg: ModelConfig, active: bool = False) -> int:
     """Trainable parameters: embeddings + layers (attention, FFN, two norms) + final norm + LM head. ``active``:
     the parameters one token's forward uses (differs from the total in mixture-of-experts models only)."""
@@ -76,11 +90,14 @@ def param_count(cfg: ModelConfig, active: bool = False) -> int:
     qk_norms = {None: 0, "head": 2 * cfg.d_head, "projection": d_q + d_kv}[cfg.qk_norm]
     attention_and_norms = (2 * d * d_q + 2 * d * d_kv + (2 + 2 * cfg.post_norms) * _norm_params(cfg)
                            + (d_q + 2 * d_kv) * cfg.qkv_bias + d * cfg.attn_out_bias + qk_norms
-                           + cfg.num_heads * cfg.attention_sinks)
+                           + cfg.num_heads * cfg.attention_sinks + d * d_q * cfg.attn_output_gate)
     if cfg.attention == "mla":
         attention_and_norms = (_mla_matrices(cfg) + _mla_vectors(cfg) + (2 + 2 * cfg.post_norms) * _norm_params(cfg)
                                + d * cfg.attn_out_bias)
-    layers = sum(attention_and_norms + _ffn_params(cfg, i, active) for i in range(cfg.num_layers))
+    # (a hybrid's Gated DeltaNet layers replace the attention, keeping the two norms)
+    linear_and_norms = _linear_params(cfg) + 2 * _norm_params(cfg)
+    layers = sum((linear_and_norms if cfg.is_linear_layer(i) else attention_and_norms) + _ffn_params(cfg, i, active)
+                 for i in range(cfg.num_layers))
     final_norm = _norm_params(cfg) if cfg.norm_position == "pre" else 0
     lm_head = 0 if cfg.tie_embeddings else d * cfg.vocab_size  # tied: the embedding matrix is the head
     return cfg.vocab_size * d + layers + final_norm + lm_head
@@ -89,16 +106,18 @@ def param_count(cfg: ModelConfig, active: bool = False) -> int:
 def forward_flops(cfg: ModelConfig, seq_len: int, batch_size: int = 1) -> dict:
     """Matmul FLOPs of one forward pass over ``batch_size`` sequences of ``seq_len`` tokens.
 
-    Returns a dict with ``attention_projections`` (Q, K, V, output), ``attention_matmuls`` (QKᵀ and
-    PV), ``ffn`` (an MoE layer's router and the experts a token is routed to: active FLOPs), ``lm_head`` and
-    ``total``.
+    Returns a dict with ``attention_projections`` (Q, K, V, output; the output gate), ``attention_matmuls`` (QKᵀ and
+    PV), ``linear_attention`` (a hybrid's Gated DeltaNet layers: their projections, the conv taps, and the delta rule
+    at its recurrent count, ``6·d_k·d_v`` per token and value head: ``Sᵀk``, the rank-1 update and ``Sᵀq``), ``ffn``
+    (an MoE layer's router and the experts a token is routed to: active FLOPs), ``lm_head`` and ``total``.
     """
     if seq_len <= 0 or batch_size <= 0:
         raise ValueError("seq_len and batch_size must be positive")
     tokens = batch_size * seq_len
-    d, layers = cfg.d_model, cfg.num_layers
+    d, n_linear = cfg.d_model, len(cfg.linear_layers or ())
+    layers = cfg.num_layers - n_linear  # (attention layers)
     d_q, d_kv = cfg.num_heads * cfg.d_head, cfg.kv_heads * cfg.d_head
-    projections = layers * 2 * tokens * d * (2 * d_q + 2 * d_kv)
+    projections = layers * 2 * tokens * d * (2 * d_q + 2 * d_kv + d_q * cfg.attn_output_gate)
     pv = d_q  # (MLA: P·V over the values' own width)
     if cfg.attention == "mla":  # (every projection weight is one multiply-add per token)
         projections = layers * 2 * tokens * _mla_matrices(cfg)
@@ -107,7 +126,11 @@ def forward_flops(cfg: ModelConfig, seq_len: int, batch_size: int = 1) -> dict:
         "attention_projections": projections,
         # QKᵀ: [seq, d_head] x [d_head, seq] per head, then P·V: [seq, seq] x [seq, d_v] per head
         "attention_matmuls": layers * 2 * batch_size * seq_len * seq_len * (d_q + pv),
-        "ffn": sum(2 * tokens * _ffn_params(cfg, i, active=True) for i in range(layers)),
+        "linear_attention": n_linear * tokens * (2 * (_linear_params(cfg) - 2 * cfg.linear_num_value_heads
+                                                      - cfg.linear_value_head_dim)
+                                                 + 6 * cfg.linear_num_value_heads * cfg.linear_key_head_dim
+                                                 * cfg.linear_value_head_dim),
+        "ffn": sum(2 * tokens * _ffn_params(cfg, i, active=True) for i in range(cfg.num_layers)),
         "lm_head": 2 * tokens * d * cfg.vocab_size,
     }
     out["total"] = sum(out.values())
@@ -120,14 +143,20 @@ def training_flops(cfg: ModelConfig, seq_len: int, batch_size: int = 1, steps: i
 
 
 def kv_cache_bytes(cfg: ModelConfig, seq_len: int, batch_size: int = 1, dtype: str = "bf16") -> int:
-    """Bytes of a full KV cache: keys and values of every layer, ``kv_heads × d_head`` per token each (MLA: the
-    compressed latent and the shared rotary key, ``kv_lora_rank + qk_rope_head_dim`` per token, what the model
-    caches)."""
+    """Bytes of a full KV cache: keys and values of every attention layer, ``kv_heads × d_head`` per token each (MLA:
+    the compressed latent and the shared rotary key, ``kv_lora_rank + qk_rope_head_dim`` per token, what the model
+    caches); a hybrid's Gated DeltaNet layers add their fixed-size recurrent state per sequence."""
     if dtype not in _BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; one of {sorted(_BYTES)}")
     per_token = (cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.attention == "mla"
                  else 2 * cfg.kv_heads * cfg.d_head)
-    return cfg.num_layers * batch_size * seq_len * per_token * _BYTES[dtype]
+    n_linear = len(cfg.linear_layers or ())
+    # a Gated DeltaNet layer's cache is fixed-size per sequence: its fp32 state and the conv's last W - 1 inputs
+    channels, _, heads = _linear_sizes(cfg)
+    recurrent = (heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+                 + channels * (cfg.linear_conv_kernel - 1) * _BYTES[dtype])
+    return ((cfg.num_layers - n_linear) * batch_size * seq_len * per_token * _BYTES[dtype]
+            + n_linear * batch_size * recurrent)
 
 
 def activation_elements(cfg: ModelConfig, seq_len: int, batch_size: int = 1) -> dict:
