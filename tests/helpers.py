@@ -180,3 +180,70 @@ def hf_grads(model) -> dict:
             grads[f"model.layers.{i}.mlp.gate.weight"] = grads.pop(f"model.layers.{i}.{weights.expert_block}.gate.weight")
     return grads
 
+
+
+def save_hf_models(tmp_path_factory, kinds, make) -> dict:
+    """``{kind: (directory, model)}``: ``make(kind)`` (a transformers model) saved once per module's tests."""
+    out = {}
+    for kind in kinds:
+        path = tmp_path_factory.mktemp(kind)
+        model = make(kind)
+        model.save_pretrained(path)
+        out[kind] = (path, model)
+    return out
+
+
+def hf_ids(batch: int = 2, seq: int = 13, seed: int = 1, vocab: int = 100) -> torch.Tensor:
+    """Token ids in ``[3, vocab)`` (no pad id 0: transformers' embedding zeroes the pad row's gradient, tritonlm's
+    trains it -- see the README)."""
+    return torch.randint(3, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+def assert_matches_transformers(ours, theirs, ids, atol: float = 2e-5, rtol: float = 1e-4, at_least: int = 20,
+                                **loss_options) -> None:
+    """``ours`` (a TransformerLM) against transformers' model of the same checkpoint on ``ids``: logits, the shifted
+    next-token loss (``loss_options`` to ``ours.loss``) and every gradient."""
+    expected = theirs(ids, labels=ids)
+    torch.testing.assert_close(ours(ids), expected.logits, atol=atol, rtol=rtol)
+    targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    ours.train()
+    loss = ours.loss(ids, targets, **loss_options)
+    torch.testing.assert_close(loss, expected.loss, atol=atol, rtol=1e-5)
+    expected.loss.backward()
+    loss.backward()
+    assert_hf_grads_match(ours, theirs, atol=atol * 1.5, rtol=rtol * 2, at_least=at_least)
+
+
+def assert_hf_grads_match(ours, theirs, atol: float = 2e-5, rtol: float = 1e-4, at_least: int = 20) -> None:
+    """Every gradient of transformers' model equals ours (under its names, :func:`hf_grads`); then clears theirs."""
+    grads = hf_grads(ours)
+    checked = 0
+    for name, p in theirs.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[name], p.grad, atol=atol, rtol=rtol, msg=name)
+            checked += 1
+    assert checked == len([p for p in theirs.parameters() if p.grad is not None]) > at_least
+    theirs.zero_grad(set_to_none=True)
+
+
+def assert_bf16_no_further_than_transformers(theirs32, theirs16, patched, ours, ids, targets, **loss_options) -> None:
+    """bf16 models against the fp32 transformers model: our loss and gradients (``ours``, a TransformerLM; ``patched``,
+    transformers' bf16 model under apply_kernels) no further off than transformers' own bf16 model (twice its error,
+    plus 1e-2 on the loss and 2% on each gradient's norm)."""
+    losses = [m(ids, labels=ids).loss for m in (theirs32, theirs16, patched)] + [ours.loss(ids, targets,
+                                                                                          **loss_options)]
+    for loss in losses:
+        loss.backward()
+    loss32, loss16, loss_patched, loss_ours = (loss.detach().float() for loss in losses)
+    assert abs(loss_ours - loss32) <= 2 * abs(loss16 - loss32) + 1e-2
+    assert abs(loss_patched - loss32) <= 2 * abs(loss16 - loss32) + 1e-2
+    grads = hf_grads(ours)
+    total = torch.stack([p.grad.norm() for p in theirs32.parameters() if p.grad is not None]).norm()
+    named16, named_patched = dict(theirs16.named_parameters()), dict(patched.named_parameters())
+    for name, p in theirs32.named_parameters():
+        if p.grad is None:
+            continue
+        scale = torch.maximum(p.grad.norm(), 1e-3 * total)
+        err_ref = (named16[name].grad.float() - p.grad).norm() / scale
+        for g in (grads[name], named_patched[name].grad):
+            assert (g.float() - p.grad).norm() / scale <= 2 * err_ref + 0.02, name

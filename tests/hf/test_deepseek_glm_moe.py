@@ -14,7 +14,15 @@ import json
 import pytest
 import torch
 
-from helpers import DEVICE, hf_grads, hf_round_trip, transformers_or_skip
+from helpers import (
+    DEVICE,
+    assert_bf16_no_further_than_transformers,
+    assert_matches_transformers,
+    hf_ids,
+    hf_round_trip,
+    save_hf_models,
+    transformers_or_skip,
+)
 
 ROUTING = dict(moe_intermediate_size=16, n_shared_experts=2, n_routed_experts=8, n_group=4, topk_group=2,
                num_experts_per_tok=3, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True)
@@ -54,18 +62,7 @@ def _model(kind, seed=0, dtype=torch.float32, **overrides):
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    out = {}
-    for kind in KINDS:
-        path = tmp_path_factory.mktemp(kind)
-        model = _model(kind)
-        model.save_pretrained(path)
-        out[kind] = (path, model)
-    return out
-
-
-def _ids(batch=2, seq=13, seed=1):
-    # (no pad id 0: transformers' embedding zeroes the pad row's gradient, tritonlm's trains it -- see the README)
-    return torch.randint(3, 100, (batch, seq), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    return save_hf_models(tmp_path_factory, KINDS, _model)
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
@@ -84,23 +81,7 @@ def test_from_pretrained_matches_transformers(saved, kind, backend):
         assert cfg.query_scale == pytest.approx(16 ** -0.5 * (0.1 * __import__("math").log(4.0) + 1) ** 2)
     else:
         assert (cfg.qk_norm, cfg.qkv_bias, cfg.partial_rotary, cfg.kv_heads) == ("head", True, 0.5, 2)
-    ids = _ids()
-    expected = theirs(ids, labels=ids)
-    torch.testing.assert_close(ours(ids), expected.logits, atol=2e-5, rtol=1e-4)
-    targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
-    ours.train()
-    loss = ours.loss(ids, targets)  # (no load-balancing term: transformers adds none for these families)
-    torch.testing.assert_close(loss, expected.loss, atol=2e-5, rtol=1e-5)
-    expected.loss.backward()
-    loss.backward()
-    grads = hf_grads(ours)
-    checked = 0
-    for name, p in theirs.named_parameters():
-        if p.grad is not None:
-            torch.testing.assert_close(grads[name], p.grad, atol=2e-5, rtol=1e-4, msg=name)
-            checked += 1
-    assert checked == len([p for p in theirs.parameters() if p.grad is not None]) > 20
-    theirs.zero_grad(set_to_none=True)
+    assert_matches_transformers(ours, theirs, hf_ids(), at_least=20)  # (no load-balancing term: transformers adds none)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -143,7 +124,7 @@ def test_apply_kernels_padded_and_packed_batches(kind):
     patched = hf.apply_kernels(copy.deepcopy(base))
     tags = {getattr(m, "_tritonlm_patch", None) for m in patched.modules()}
     assert {"rms_norm", "swiglu", "moe", "loss"} <= tags
-    ids = _ids(2, 15, seed=6)
+    ids = hf_ids(2, 15, seed=6)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     positions = torch.cat([torch.arange(6), torch.arange(9)])[None].to(DEVICE)
@@ -180,24 +161,9 @@ def test_bf16_no_further_from_fp32_than_transformers(saved, kind):
     theirs16 = _model(kind, dtype=torch.bfloat16).train()
     ours = hf.from_pretrained(path, backend="reference", device=DEVICE, dtype=torch.bfloat16).train()
     patched = hf.apply_kernels(_model(kind, dtype=torch.bfloat16)).train()
-    ids = _ids(2, 11, seed=5)
+    ids = hf_ids(2, 11, seed=5)
     targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
-    losses = [m(ids, labels=ids).loss for m in (theirs32, theirs16, patched)] + [ours.loss(ids, targets)]
-    for loss in losses:
-        loss.backward()
-    loss32, loss16, loss_patched, loss_ours = (loss.detach().float() for loss in losses)
-    assert abs(loss_ours - loss32) <= 2 * abs(loss16 - loss32) + 1e-2
-    assert abs(loss_patched - loss32) <= 2 * abs(loss16 - loss32) + 1e-2
-    grads = hf_grads(ours)
-    total = torch.stack([p.grad.norm() for p in theirs32.parameters() if p.grad is not None]).norm()
-    named16, named_patched = dict(theirs16.named_parameters()), dict(patched.named_parameters())
-    for name, p in theirs32.named_parameters():
-        if p.grad is None:
-            continue
-        scale = torch.maximum(p.grad.norm(), 1e-3 * total)
-        err_ref = (named16[name].grad.float() - p.grad).norm() / scale
-        for g in (grads[name], named_patched[name].grad):
-            assert (g.float() - p.grad).norm() / scale <= 2 * err_ref + 0.02, name
+    assert_bf16_no_further_than_transformers(theirs32, theirs16, patched, ours, ids, targets)
 
 
 def test_mtp_layers_are_skipped_and_fp8_files_refused(saved, tmp_path, caplog):
@@ -222,7 +188,7 @@ def test_mtp_layers_are_skipped_and_fp8_files_refused(saved, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="tritonlm"):
         ours = hf.from_pretrained(mtp, backend="reference", dtype=torch.float32, device=DEVICE)
     assert "multi-token-prediction layers [2]" in caplog.text
-    ids = _ids()
+    ids = hf_ids()
     torch.testing.assert_close(ours(ids), theirs(ids).logits, atol=2e-5, rtol=1e-4)
     fp8 = dict(config, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]})
     (mtp / "config.json").write_text(json.dumps(fp8))

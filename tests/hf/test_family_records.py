@@ -163,6 +163,11 @@ def test_missing_keys_take_the_config_class_defaults(kind):
     the full default config: the family's defaults are its config class's (issue 31: no tritonlm fallbacks)."""
     transformers = transformers_or_skip()
     record = registry.families()[kind]
+    if record.text_of is not None:  # a vision-language directory: its default config is the text family's default
+        text_class = getattr(transformers, registry.families()[record.text_of].config_class)
+        wrapped = getattr(transformers, record.config_class)().to_dict()
+        assert model_config_from_hf(wrapped) == model_config_from_hf(_flat(text_class().to_dict()))
+        return
     full = _flat(getattr(transformers, record.config_class)(**CLASS_DEFAULT_OVERRIDES.get(kind, {})).to_dict())
     expected = model_config_from_hf(full)
     checked = 0
@@ -225,6 +230,14 @@ REFUSED = {
                                        "partial_rotary_factor": 0.5}}, "dynamic")],
     "seed_oss": [({"attention_dropout": 0.1, "residual_dropout": 0.0}, "residual_dropout"),
                  ({"hidden_act": "relu"}, "hidden_act")],
+    "qwen3_next": [({"attention_bias": True}, "attention_bias"),
+                   ({"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size")],
+    "qwen3_5_text": [({"attention_bias": True}, "attention_bias"), ({"hidden_act": "gelu"}, "hidden_act"),
+                     ({"layer_types": ["linear_attention", "sliding_attention"]}, "layer_types")],
+    "qwen3_5_moe_text": [({"attention_bias": True}, "attention_bias"), ({"hidden_act": "gelu"}, "hidden_act")],
+    # (vision-language directories: the options of their text_config)
+    "qwen3_5": [({"attention_bias": True}, "attention_bias")],
+    "qwen3_5_moe": [({"hidden_act": "gelu"}, "hidden_act")],
 }
 
 
@@ -238,12 +251,17 @@ def test_options_the_model_cannot_represent_are_refused(kind, option, named):
     its config.json, as transformers writes it, is a one-line error naming the key before any weight is read."""
     transformers = transformers_or_skip()
     record = registry.families()[kind]
-    config = getattr(transformers, record.config_class)(**SMALL, **copy.deepcopy(option))
+
+    def build(**options):
+        cls = getattr(transformers, record.config_class)
+        return cls(text_config={**SMALL, **options}) if record.text_of else cls(**SMALL, **options)
+
+    config = build(**copy.deepcopy(option))
     written = config.to_dict()
     for key, value in option.items():
         if key != "rope_parameters":
-            assert written[key] == value, key
-    assert model_config_from_hf(getattr(transformers, record.config_class)(**SMALL).to_dict()) is not None
+            assert (written["text_config"] if record.text_of else written)[key] == value, key
+    assert model_config_from_hf(build().to_dict()) is not None
     with pytest.raises(ValueError, match=re.escape(named)) as info:
         model_config_from_hf(written)
     assert "\n" not in str(info.value)
@@ -257,7 +275,7 @@ def test_kernel_targets_name_classes_of_the_modeling_module(kind):
     record = registry.families()[kind]
     modeling = importlib.import_module(getattr(transformers, record.architecture).__module__)
     targets = record.kernels
-    for name in (*targets.norms, *targets.mlps, *targets.attention, *targets.experts):
+    for name in (*targets.norms, *targets.mlps, *targets.attention, *targets.experts, *targets.linear_attention):
         assert isinstance(getattr(modeling, name, None), type), f"{modeling.__name__} has no {name}"
     assert hasattr(modeling, "apply_rotary_pos_emb")
 

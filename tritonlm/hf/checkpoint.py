@@ -81,6 +81,42 @@ def family_of(cfg: dict) -> Family:
     return record
 
 
+def text_config_of(cfg: dict) -> tuple[dict, bool]:
+    """``(config, wrapped)``: a vision-language directory's ``text_config`` as the text family's config dict (its
+    ``model_type`` and causal-LM architecture; the wrapper's ``tie_word_embeddings`` and token ids where the text
+    config lacks them) and True; any other config as it is and False."""
+    record = family(cfg.get("model_type") or "")
+    if record.text_of is None:
+        return cfg, False
+    archs = [a for a in cfg.get("architectures") or [] if a != record.architecture]
+    if archs:
+        raise ValueError(f"architectures={archs} is not supported for model_type {record.model_type!r} "
+                         f"({record.architecture})")
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"model_type {record.model_type!r}: config.json lacks its text_config")
+    text_family = family(record.text_of)
+    out = {k: v for k, v in text.items() if k != "model_type"}
+    for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "dtype", "torch_dtype"):
+        if key in cfg and key not in out:
+            out[key] = cfg[key]
+    out.update(model_type=text_family.model_type, architectures=[text_family.architecture])
+    return out, True
+
+
+def _language_model_state(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A vision-language checkpoint's language model in the text family's names (``model.language_model.X`` ->
+    ``model.X``); the vision tower's tensors are left out, said in the log."""
+    prefix = "model.language_model."
+    vision = [k for k in hf_state if not k.startswith(prefix) and k != "lm_head.weight" and not k.startswith("mtp.")]
+    if vision:
+        logger.info("loading the language model only: %d tensors of the vision tower (%s, ...) are left out",
+                    len(vision), vision[0])
+    out = {("model." + k[len(prefix):]) if k.startswith(prefix) else k: v for k, v in hf_state.items()
+           if k.startswith(prefix) or k == "lm_head.weight" or k.startswith("mtp.")}
+    return out
+
+
 def model_config_from_hf(cfg: dict, context_length: int | None = None) -> ModelConfig:
     """The :class:`ModelConfig` of an HF config dict of a registered family.
 
@@ -88,6 +124,7 @@ def model_config_from_hf(cfg: dict, context_length: int | None = None) -> ModelC
     accounted for by the family (see :mod:`tritonlm.hf.family`): anything the model cannot represent is a
     ``ValueError`` naming the key and value, before any weight is read.
     """
+    cfg, _ = text_config_of(cfg)
     record = family_of(cfg)
     quant = cfg.get("quantization_config")
     if quant:
@@ -204,6 +241,13 @@ TOP_KEYS = {"token_embeddings.weight": "model.embed_tokens.weight", "ln_final.we
             "lm_head.weight": "lm_head.weight"}
 
 
+#: ours -> HF names inside a Gated DeltaNet layer (after ``linear_attn.``; transformers' Qwen3.5 names)
+LINEAR_ATTENTION_NAMES = {
+    "in_proj_qkv.weight": "in_proj_qkv.weight", "in_proj_z.weight": "in_proj_z.weight",
+    "in_proj_b.weight": "in_proj_b.weight", "in_proj_a.weight": "in_proj_a.weight", "conv1d_weight": "conv1d.weight",
+    "dt_bias": "dt_bias", "A_log": "A_log", "norm.weight": "norm.weight", "out_proj.weight": "out_proj.weight"}
+
+
 def layer_names(cfg: ModelConfig, i: int) -> dict[str, str]:
     """Ours -> HF names inside layer ``i`` besides an MoE layer's router and experts: the generic (Llama) names of
     what the config holds, then the family's own (``Weights.names``). A tensor with no generic name (sandwich
@@ -241,6 +285,11 @@ def layer_names(cfg: ModelConfig, i: int) -> dict[str, str]:
         keys.update({f"attn.{p}_norm.weight": f"self_attn.{p}_norm.weight" for p in ("q", "k")})
     if cfg.post_norms:
         keys.update({"attn_post_norm.weight": None, "ffn_post_norm.weight": None})
+    if cfg.attn_output_gate:  # (the file interleaves it with q_proj's rows: the family's Fused splits it out)
+        keys["attn.gate_proj.weight"] = "self_attn.gate_proj.weight"
+    if cfg.is_linear_layer(i):  # a Gated DeltaNet layer (Qwen3.5's names) instead of attention
+        keys = {k: v for k, v in keys.items() if not k.startswith("attn.")}
+        keys.update({f"attn.{ours}": f"linear_attn.{theirs}" for ours, theirs in LINEAR_ATTENTION_NAMES.items()})
     if cfg.attention_sinks:
         keys["attn.sinks"] = "self_attn.sinks"
     if moe and cfg.shared_expert_d_ff:
@@ -282,6 +331,8 @@ def _split_fused(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
             if name not in out:
                 continue
             tensor = out.pop(name)
+            if spec.order is not None:  # (rows interleaved per head in the file: gathered into the parts' order)
+                tensor = tensor[spec.order(cfg)]
             sizes = spec.sizes(cfg)
             if tensor.shape[0] != sum(sizes):
                 raise ValueError(f"{name} has {tensor.shape[0]} rows, not {' + '.join(map(str, sizes))}")
@@ -296,7 +347,10 @@ def _fuse(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.T
         for spec in family(cfg.model_type).weights.fused:
             parts = [f"model.layers.{i}.{part}" for part in spec.parts]
             if all(p in out for p in parts):
-                out[f"model.layers.{i}.{spec.name}"] = torch.cat([out.pop(p) for p in parts])
+                fused = torch.cat([out.pop(p) for p in parts])
+                if spec.order is not None:
+                    fused = fused[torch.argsort(spec.order(cfg))]
+                out[f"model.layers.{i}.{spec.name}"] = fused
     return out
 
 
@@ -304,8 +358,14 @@ def state_from_hf(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
     """HF tensors -> this library's ``state_dict`` (q/k rows permuted to interleaved RoPE pairs where the family's
     layout is half-split)."""
     hf_state = {k: v for k, v in hf_state.items() if not k.endswith("rotary_emb.inv_freq")}  # old files carry it
-    if family(cfg.model_type).weights.mtp_layers:
+    weights = family(cfg.model_type).weights
+    if weights.mtp_layers:
         hf_state = _without_mtp_layers(hf_state, cfg)
+    skipped = sorted(k for k in hf_state if k.startswith(weights.skipped_prefixes)) if weights.skipped_prefixes else []
+    if skipped:
+        logger.info("skipping %d tensors under %s (not part of the causal LM)", len(skipped),
+                    ", ".join(sorted({p for p in weights.skipped_prefixes if any(k.startswith(p) for k in skipped)})))
+        hf_state = {k: v for k, v in hf_state.items() if not k.startswith(weights.skipped_prefixes)}
     order = rope_row_order(cfg)
     hf_state = _split_fused(hf_state, cfg)
     state, used = {}, set()
@@ -442,11 +502,15 @@ def state_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
     return {k: v.detach().contiguous() for k, v in _fuse(out, cfg).items()}
 
 
-def load_hf_weights(path, cfg: ModelConfig) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """``(cfg, state, hf_state)``: a directory's tensors in this library's names for ``cfg``. A file that holds its
-    own ``lm_head.weight`` beside ``tie_word_embeddings: true`` loads as transformers loads it, both matrices kept
-    (``cfg`` comes back untied, said in the log)."""
+def load_hf_weights(path, cfg: ModelConfig, language_model: bool = False
+                    ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(cfg, state, hf_state)``: a directory's tensors in this library's names for ``cfg`` (``language_model``: a
+    vision-language directory's, :func:`text_config_of`). A file that holds its own ``lm_head.weight`` beside
+    ``tie_word_embeddings: true`` loads as transformers loads it, both matrices kept (``cfg`` comes back untied,
+    said in the log)."""
     hf_state = read_hf_state(path)
+    if language_model:
+        hf_state = _language_model_state(hf_state)
     head, embedding = hf_state.get("lm_head.weight"), hf_state.get("model.embed_tokens.weight")
     if cfg.tie_embeddings and head is not None and embedding is not None and not torch.equal(head, embedding):
         logger.info("%s: tie_word_embeddings is set but the file holds an lm_head.weight of its own: both kept "
@@ -497,10 +561,10 @@ def from_pretrained(path, backend: str = "auto", device=None, dtype=None, *, con
     from ..modules import TransformerLM
 
     path = Path(path)
-    hf_cfg = read_hf_config(path)
+    hf_cfg, wrapped = text_config_of(read_hf_config(path))  # (a vision-language directory: its language model)
     cfg = model_config_from_hf(hf_cfg, context_length)
     dtype = _requested_dtype(dtype)  # checked before the weights are read
-    cfg, state, hf_state = load_hf_weights(path, cfg)
+    cfg, state, hf_state = load_hf_weights(path, cfg, language_model=wrapped)
     dtype = dtype or _checkpoint_dtype(hf_cfg, hf_state)
     model = TransformerLM.from_config(cfg, device=device, dtype=dtype, backend=backend)
     model.load_state_dict(state)

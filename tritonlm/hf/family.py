@@ -101,10 +101,13 @@ class ConfigReader:
 @dataclass(frozen=True)
 class Fused:
     """One tensor HF holds fused (inside a layer, e.g. ``self_attn.qkv_proj.weight``) that the model keeps as
-    ``parts`` (split along rows on load by ``sizes(cfg)``, concatenated again on save)."""
+    ``parts`` (split along rows on load by ``sizes(cfg)``, concatenated again on save). ``order(cfg)``, when given,
+    first gathers the rows into the parts' order (HF interleaves them per head: Qwen3.5's query and gate, Qwen3-Next's
+    q/k/v/z per key head); the save puts them back."""
     name: str
     parts: tuple[str, ...]
     sizes: Callable[[ModelConfig], tuple[int, ...]]
+    order: Callable[[ModelConfig], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,8 @@ class Weights:
     ``experts.down_proj [E, I, H]`` and its bias: transposed on load into the model's stacked layout and back on
     save). ``mtp_layers``: the file may hold multi-token-prediction layers past ``num_hidden_layers``
     (DeepSeek-V3, GLM-4.5), which are not part of the causal LM and are skipped on load, as transformers skips
-    them."""
+    them; ``skipped_prefixes``: top-level tensors that are not part of it either (Qwen3-Next's ``mtp.``), skipped
+    with a log line."""
     names: Mapping[str, str] = field(default_factory=dict)
     rope_layout: str = "half"
     fused: tuple[Fused, ...] = ()
@@ -131,6 +135,7 @@ class Weights:
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     expert_format: str = "stacked"
     mtp_layers: bool = False
+    skipped_prefixes: tuple[str, ...] = ()
 
 
 def no_logit_transform(config) -> dict:
@@ -148,11 +153,14 @@ class Kernels:
     ``rope_tables``: "full" (the cos / sin HF hands ``apply_rotary_pos_emb`` hold both halves) or "pairs" (one value
     per rotated pair: gpt-oss). ``experts``: expert class -> "stacked" (transformers 5's ``gate_up_proj [E, 2I, H]``)
     or "transposed_interleaved" (gpt-oss: ``[E, H, 2I]`` interleaved, biases, the clamped SwiGLU).
+    ``linear_attention``: the Gated DeltaNet classes whose delta rule and short convolution run through the kernels
+    (norms may name their gated RMSNorm "gated").
     ``logits(config)``: what the fused loss applies to the logits (``{"softcap": c}``, ``{"divisor": s}``)."""
     norms: Mapping[str, str]
     mlps: Mapping[str, str]
     attention: tuple[str, ...]
     experts: Mapping[str, str] = field(default_factory=dict)
+    linear_attention: tuple[str, ...] = ()
     rope_layout: str = "half"
     rope_tables: str = "full"
     logits: Callable[[Any], dict] = no_logit_transform
@@ -166,7 +174,10 @@ class Family:
     ``max_position_embeddings``; ``model_type`` is added); ``to_hf(cfg) -> dict`` the config keys of this family
     (the generic code adds ``architectures``, ``model_type``, the dtype and the token ids). ``defaults`` are
     transformers' ``config_class`` defaults of the keys ``to_config`` reads (tested against the class itself).
-    ``notes`` is the README row's last column; ``default`` marks the family a model built here is saved as."""
+    ``notes`` is the README row's last column; ``default`` marks the family a model built here is saved as.
+    ``text_of``: a vision-language directory (``config.json`` with a ``text_config``, the language model's tensors
+    under ``model.language_model.``) whose language model loads as that text family; the vision tower is left out
+    (one log line) and the model saves as the text family."""
     model_type: str
     architecture: str
     config_class: str
@@ -179,6 +190,7 @@ class Family:
     notes: str = ""
     ignored: tuple[str, ...] = ()
     default: bool = False
+    text_of: str | None = None
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -302,11 +314,12 @@ def read_dropout(r: ConfigReader, *keys: str) -> float:
 
 
 def read_decoder(r: ConfigReader, *, act_key: str | None = "hidden_act", acts=("silu", "swish"),
-                 partial_rotary: bool = False, rope: tuple | None = None) -> dict:
+                 partial_rotary: bool = False, rope: tuple | None = None, d_ff_key: str = "intermediate_size") -> dict:
     """The fields every decoder family reads the same way: sizes, heads (GQA, an explicit ``head_dim``), the norm
     epsilon, tying, RoPE (base, scaling, and the partial rotary factor where ``partial_rotary``; ``rope``: the
     ``(theta, scaling)`` a family read itself), the positions (``context_length`` = ``max_position_embeddings``),
-    and the activation (one of ``acts``)."""
+    the activation (one of ``acts``) and the FFN width (``d_ff_key``: a family with only MoE layers names its
+    experts' width)."""
     if act_key is not None:  # (None: a family whose FFN ignores the activation key)
         r.require(act_key, acts, f"this family's FFN uses {acts[0]}")
     d_model, heads = r.get("hidden_size"), r.get("num_attention_heads")
@@ -317,7 +330,7 @@ def read_decoder(r: ConfigReader, *, act_key: str | None = "hidden_act", acts=("
         raise ValueError(f"partial_rotary_factor={partial} is not supported for this family (RoPE on whole heads)")
     return dict(
         vocab_size=r.get("vocab_size"), context_length=r.get("max_position_embeddings"), d_model=d_model,
-        num_layers=r.get("num_hidden_layers"), num_heads=heads, d_ff=r.get("intermediate_size"), rope_theta=theta,
+        num_layers=r.get("num_hidden_layers"), num_heads=heads, d_ff=r.get(d_ff_key), rope_theta=theta,
         num_kv_heads=None if kv_heads == heads else kv_heads, norm_eps=float(r.get("rms_norm_eps")),
         tie_embeddings=bool(r.get("tie_word_embeddings")), rope_scaling=scaling,
         head_dim=None if head_dim is None or head_dim * heads == d_model else int(head_dim),

@@ -19,6 +19,11 @@ and ``save_pretrained`` are untouched, and :func:`remove_kernels` undoes it):
 * ``attention``: the model's attention implementation -> ``"tritonlm"``, registered in transformers'
   ``AttentionInterface``: flash attention with GQA (K/V never repeated), sliding windows, softcaps, and padding
   masks as packed variable-length sequences.
+* ``linear_attention``: the Gated DeltaNet layers (Qwen3.5, Qwen3-Next) -> their delta rule and short convolution
+  through :func:`tritonlm.kernels.chunk_gated_delta_rule` (one token against a cache: the recurrent kernel) and
+  ``causal_conv1d_fn`` / ``causal_conv1d_update``, routed inside the patched layers only; ``cu_seq_lens_q`` packing
+  keeps documents apart in both (transformers' torch fallback refuses packed sequences). Their gated RMSNorm is a ``rms_norm``
+  target ("gated").
 * ``loss``: ``forward(..., labels=...)`` -> the fused linear cross-entropy on the final hidden states, with the
   family's logit transform (Gemma's final softcap, Granite's ``logits_scaling``); the ``[batch, seq, vocab]``
   logits are never formed in training (``logits`` is then ``None``; in eval mode they are computed as well). MoE
@@ -67,8 +72,13 @@ def _offset_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return _kernels().rms_norm(hidden_states, self.weight, self.eps, weight_offset=1.0)
 
 
+def _gated_rms_norm_forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Qwen3.5's gated RMSNorm: ``(w · x̂.to(x.dtype)) · silu(gate)`` (``kernels.rms_norm_gated``)."""
+    return _kernels().rms_norm_gated(hidden_states, gate, self.weight, self.variance_epsilon)
+
+
 _NORM_FORWARDS = {"cast": _rms_norm_forward, "fp32_weight": _fp32_weight_rms_norm_forward,
-                  "offset": _offset_rms_norm_forward}
+                  "offset": _offset_rms_norm_forward, "gated": _gated_rms_norm_forward}
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -448,6 +458,80 @@ def _install_rotary_dispatch(name: str, modeling, layout: str, pairs: bool) -> N
         modeling.apply_rotary_pos_emb = _rotary_dispatch(name, layout, pairs)
 
 
+# ---- Gated DeltaNet layers: their modeling module's delta-rule and conv functions, routed inside patched layers
+_DELTA_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                    "causal_conv1d_update")
+_ORIGINAL_DELTA: dict = {}  # (modeling module, function name) -> transformers' own function
+
+
+def _linear_attention_forward(self, *args, **kwargs):
+    _state.linear = getattr(_state, "linear", 0) + 1
+    try:
+        return type(self).forward(self, *args, **kwargs)
+    finally:
+        _state.linear -= 1
+
+
+def _delta_rule(recurrent: bool):
+    def call(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+             use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+        # (transformers passes its flash-attention kwargs along; only cu_seqlens means something here)
+        entry = (_kernels().fused_recurrent_gated_delta_rule if recurrent else _kernels().chunk_gated_delta_rule)
+        return entry(query, key, value, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
+
+    return call
+
+
+def _conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+    """transformers' ``causal_conv1d_fn`` call: packed sequences (``cu_seq_lens_q``, batch 1) become ``seq_idx``."""
+    cu = kwargs.get("cu_seq_lens_q")
+    seq_idx = None
+    if cu is not None:
+        starts = torch.zeros(hidden_states.shape[-1], dtype=torch.int32, device=hidden_states.device)
+        starts[cu[1:-1].long()] = 1
+        seq_idx = starts.cumsum(0, dtype=torch.int32)[None].expand(hidden_states.shape[0], -1)
+    return _kernels().causal_conv1d_fn(hidden_states, weight, bias, activation, seq_idx=seq_idx)
+
+
+def _conv1d_update(hidden_states, conv_state, weight, bias=None, activation=None):
+    return _kernels().causal_conv1d_update(hidden_states, conv_state, weight, bias, activation)
+
+
+_DELTA_KERNELS = {"torch_chunk_gated_delta_rule": _delta_rule(False),
+                  "torch_recurrent_gated_delta_rule": _delta_rule(True),
+                  "causal_conv1d_fn": _conv1d_fn, "causal_conv1d_update": _conv1d_update}
+
+
+def _linear_attention_module(module):
+    """The modeling module of a Gated DeltaNet layer (checked before patching: it must hold the four functions)."""
+    import importlib
+
+    modeling = importlib.import_module(type(module).__module__)
+    missing = [f for f in _DELTA_FUNCTIONS if getattr(modeling, f, None) is None]
+    if missing:
+        raise NotImplementedError(f"linear_attention=True: {modeling.__name__} has no {missing[0]} to route")
+    return modeling
+
+
+def _install_delta_dispatch(modeling) -> None:
+    """Route the modeling module's delta-rule and conv functions to the kernels inside patched Gated DeltaNet layers
+    (once; outside them the originals run, so unpatched models in the process are unaffected)."""
+    for name in _DELTA_FUNCTIONS:
+        current = getattr(modeling, name)
+        if getattr(current, "tritonlm_dispatch", False):
+            continue
+        _ORIGINAL_DELTA[(modeling.__name__, name)] = current
+
+        def dispatch(*args, _name=name, _original=current, **kwargs):
+            if getattr(_state, "linear", 0) > 0:
+                return _DELTA_KERNELS[_name](*args, **kwargs)
+            return _original(*args, **kwargs)
+
+        dispatch.tritonlm_dispatch = True
+        setattr(modeling, name, dispatch)
+
+
 def _patch(module, forward, tag: str) -> None:
     module.forward = MethodType(forward, module)
     module._tritonlm_patch = tag
@@ -462,7 +546,7 @@ def _register_experts() -> None:
 
 
 def apply_kernels(model, rms_norm: bool = True, rope: bool = True, swiglu: bool = True, attention: bool = True,
-                  loss: bool = True, moe: bool = True):
+                  loss: bool = True, moe: bool = True, linear_attention: bool = True):
     """Patch a Hugging Face model instance of a family in :data:`tritonlm.hf.SUPPORTED_MODELS` (``*ForCausalLM`` or
     the bare ``*Model``) in place with tritonlm's kernels and return it. See the module docstring for what each
     switch replaces; :func:`remove_kernels` restores the model. The kernels need CUDA tensors (or
@@ -486,7 +570,7 @@ def apply_kernels(model, rms_norm: bool = True, rope: bool = True, swiglu: bool 
     if loss and not hasattr(model, "lm_head"):
         raise ValueError("loss=True needs a *ForCausalLM model (with lm_head); pass loss=False for a bare model")
     # stage 1: find every module to patch and check it (nothing is changed yet)
-    plan, rotary = [], {}
+    plan, rotary, delta_modules = [], {}, {}
     for module in model.modules():
         name = type(module).__name__
         if rms_norm and name in targets.norms:
@@ -507,6 +591,9 @@ def apply_kernels(model, rms_norm: bool = True, rope: bool = True, swiglu: bool 
             modeling_name, modeling = _rotary_module(module)
             rotary[modeling_name] = modeling
             plan.append((module, _attention_forward, "rope"))
+        elif linear_attention and name in targets.linear_attention:
+            delta_modules[type(module).__module__] = _linear_attention_module(module)
+            plan.append((module, _linear_attention_forward, "linear_attention"))
     if attention:
         _register_attention()
     if moe:
@@ -514,6 +601,8 @@ def apply_kernels(model, rms_norm: bool = True, rope: bool = True, swiglu: bool 
     # stage 2: patch
     for modeling_name, modeling in rotary.items():
         _install_rotary_dispatch(modeling_name, modeling, targets.rope_layout, targets.rope_tables == "pairs")
+    for modeling in delta_modules.values():
+        _install_delta_dispatch(modeling)
     for module, forward, tag in plan:
         _patch(module, forward, tag)
     if attention:
