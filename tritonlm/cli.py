@@ -63,6 +63,9 @@ def cmd_accounting(args) -> int:
           f"layers {cfg.num_layers}, heads {cfg.num_heads} (kv heads {cfg.kv_heads}), d_ff {cfg.d_ff}"
           + (f", MLA (latent {cfg.kv_lora_rank} + rotary key {cfg.qk_rope_head_dim}, query/key heads {cfg.d_head}, "
              f"value heads {cfg.v_dim})" if cfg.attention == "mla" else "")
+          + (f", Gated DeltaNet layers {list(cfg.linear_layers)} (q/k heads {cfg.linear_num_key_heads} x "
+             f"{cfg.linear_key_head_dim}, value heads {cfg.linear_num_value_heads} x {cfg.linear_value_head_dim}, "
+             f"conv {cfg.linear_conv_kernel})" if cfg.linear_layers else "")
           + (", tied embeddings" if cfg.tie_embeddings else "")
           + (f", {cfg.num_experts} experts ({cfg.experts_per_token} per token, d_ff {cfg.expert_d_ff})"
              if cfg.num_experts else ""))

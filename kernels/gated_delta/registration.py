@@ -23,15 +23,19 @@ def _sass_cases(quick: bool) -> list[_registry.SassCase]:
     three kernels, the recurrence, and the backward's four (after its recomputation)."""
     q, k, v, g, beta, cu = _layer_inputs(torch.device("meta"), torch.bfloat16, 4096)
     case = "4096 tokens, H 16, HV 32, K = V = 128, bf16"
+    # the sequential passes' loops: one chunk (BLOCK_C tokens) per iteration; the recurrence's: one token (each per
+    # program's BLOCK_V state columns)
+    per_chunk = dict(unit="token", per_iteration=lambda c: c["BLOCK_C"])
     return [_registry.SassCase(case, lambda: gated_delta_forward(q, k, v, g, beta, 128 ** -0.5, None, cu, True),
                                (_registry.SassLaunch("gated_delta.wy", 0),
-                                _registry.SassLaunch("gated_delta.state", 1),
+                                _registry.SassLaunch("gated_delta.state", 1, **per_chunk),
                                 _registry.SassLaunch("gated_delta.output", 2))),
             _registry.SassCase(case, lambda: gated_delta_forward(q, k, v, g, beta, 128 ** -0.5, None, cu, True,
                                                                  recurrent=True),
-                               (_registry.SassLaunch("gated_delta.recurrent", 0),)),
+                               (_registry.SassLaunch("gated_delta.recurrent", 0, unit="token",
+                                                     per_iteration=lambda c: 1),)),
             _registry.SassCase(case, lambda: gated_delta_backward(v, None, q, k, v, g, beta, 128 ** -0.5, None, cu),
-                               (_registry.SassLaunch("gated_delta.bwd_state", 2),
+                               (_registry.SassLaunch("gated_delta.bwd_state", 2, **per_chunk),
                                 _registry.SassLaunch("gated_delta.bwd_dqk", 3),
                                 _registry.SassLaunch("gated_delta.bwd_dv", 4),
                                 _registry.SassLaunch("gated_delta.bwd_wy", 5)))]

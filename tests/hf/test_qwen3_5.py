@@ -240,3 +240,16 @@ def test_options_the_model_cannot_represent_are_refused(kind, key, value, named)
     config = {"model_type": kind, "architectures": [CONFIGS[kind][1]], **CONFIGS[kind][2], key: value}
     with pytest.raises(ValueError, match=named):
         hf.model_config_from_hf(config)
+
+
+def test_accounting_reads_the_directory(saved, capsys):
+    """``tritonlm accounting --hf``: the parameter count equals transformers' model's own, the Gated DeltaNet layers
+    are named, and their FLOPs have a row of their own."""
+    from tritonlm.cli import main
+
+    path, theirs = saved["qwen3_next"]
+    assert main(["accounting", "--hf", str(path), "--seq-len", "32"]) == 0
+    out = capsys.readouterr().out
+    assert f"parameters: {sum(p.numel() for p in theirs.parameters()):,} " in out
+    assert "Gated DeltaNet layers [0, 2, 3] (q/k heads 2 x 8, value heads 4 x 12, conv 4)" in out
+    assert "linear_attention" in out
