@@ -238,6 +238,25 @@ def _fwd_kernel(
 
 
 @triton.jit
+def _fwd_inner_tma(acc, m_i, l_i, q, K_DESC, V_DESC, b, h_kv, offs_m, offs_n, key_start, key_end, n_k, shift,
+                   qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr):
+    """Fold key tiles ``[key_start, key_end)`` loaded by TMA into the running (acc, m_i, l_i); ``MASKED``: the
+    causal diagonal / ragged tail."""
+    for start_n in range(key_start, key_end, BLOCK_N):
+        k = _box(K_DESC, b, h_kv, start_n, BLOCK_N, BLOCK_D)
+        v = _box(V_DESC, b, h_kv, start_n, BLOCK_N, BLOCK_D)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if not FOLD_SCALE:
+            s = s * qk_scale
+        if MASKED:
+            s = tl.where(_visible(offs_m, start_n + offs_n, n_k, shift, 0, 0, CAUSAL, False), s, float("-inf"))
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, qk_scale, RAW=FOLD_SCALE,
+                                             DOT_PRECISION=DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _fwd_kernel_tma(
     Q_DESC, K_DESC, V_DESC, O_DESC, LSE, stride_lb, stride_lh, n_heads, group, n_q, n_k, qk_scale,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -258,18 +277,13 @@ def _fwd_kernel_tma(
     unbounded = 1 << 30
     key_lo, full_lo, full_hi, key_hi = _key_ranges(start_m, n_q, n_k, unbounded, 0 if CAUSAL else unbounded,
                                                    BLOCK_M, BLOCK_N)
-    # ---- key tiles: the unmasked middle, then the masked diagonal / ragged tail (no left bound: no masked head)
-    for start_n in range(full_lo, key_hi, BLOCK_N):
-        k = _box(K_DESC, b, h_kv, start_n, BLOCK_N, BLOCK_D)
-        v = _box(V_DESC, b, h_kv, start_n, BLOCK_N, BLOCK_D)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if not FOLD_SCALE:
-            s = s * qk_scale
-        if start_n >= full_hi:
-            keys = start_n + offs_n
-            s = tl.where(_visible(offs_m, keys, n_k, shift, 0, 0, CAUSAL, False), s, float("-inf"))
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, qk_scale, RAW=FOLD_SCALE,
-                                             DOT_PRECISION=DOT_PRECISION)
+    # ---- key tiles: the unmasked middle, then the masked diagonal / ragged tail (no left bound: no masked head),
+    # as two loops (the tutorial's two-stage form): one loop with a runtime mask branch held both bodies (SASS
+    # report, sm_90 bf16 d 128: 749 -> 516 main-loop instructions per 128 keys, 5.85 -> 4.03 per key, 219 registers)
+    acc, m_i, l_i = _fwd_inner_tma(acc, m_i, l_i, q, K_DESC, V_DESC, b, h_kv, offs_m, offs_n, full_lo, full_hi, n_k,
+                                   shift, qk_scale, False, CAUSAL, BLOCK_N, BLOCK_D, DOT_PRECISION, FOLD_SCALE)
+    acc, m_i, l_i = _fwd_inner_tma(acc, m_i, l_i, q, K_DESC, V_DESC, b, h_kv, offs_m, offs_n, full_hi, key_hi, n_k,
+                                   shift, qk_scale, True, CAUSAL, BLOCK_N, BLOCK_D, DOT_PRECISION, FOLD_SCALE)
     # ---- epilogue: rows without a visible key give 0 and L = -inf; the store clips rows past n_q
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
