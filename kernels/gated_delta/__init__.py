@@ -26,8 +26,8 @@ chunk's starting state ``h``, ``v_new``, the final state) and the output (per ch
 recurrence itself, one program per (document, value head, state columns) with the state in registers.
 
 Backward (:mod:`.backward`). Nothing but the inputs is saved: the WY kernel (now also storing ``T``) and the state
-pass run again, which costs about the forward and saves ``[chunks, HV, K, V]`` of states between the passes. With
-``dS`` the gradient at a chunk's end::
+pass run again (about one more forward) instead of ``[chunks, HV, K, V]`` of states being kept from the forward to
+the backward. With ``dS`` the gradient at a chunk's end::
 
     dv_new = Pᵀ dO + (k e^{Γ_C − Γ}) dS                  (P = scale q kᵀ ⊙ e^{Γ_i − Γ_j}, i >= j)
     dS_start = e^{Γ_C} dS + scale (q e^Γ)ᵀ dO − wᵀ dv_new  (the sequential pass, backwards over chunks)

@@ -1,17 +1,21 @@
 """The gated delta rule's backward kernels (the package docstring derives each gradient). The forward's ``w``, ``u``,
 ``Γ``, ``T`` and chunk-start states ``h`` are recomputed by the forward kernels first (nothing but the inputs is
-saved); then:
+saved), in chunks of 32 (the launcher's ``CHUNK_BWD``); then:
 
 1. :func:`_state_bwd_kernel`, per document and block of state columns, walks its chunks backwards carrying
    ``dS`` (the loss's gradient with respect to the state at the chunk's end): stores it per chunk (``dh``), forms
-   ``dv_new`` and steps ``dS`` to the chunk's start; after the first chunk ``dS`` is the initial state's gradient.
+   ``dv_new`` and ``Σ S ⊙ dS`` (the chunk-end decay's gradient) and steps ``dS`` to the chunk's start; after the
+   first chunk ``dS`` is the initial state's gradient.
 2. :func:`_dqk_kernel`, per chunk and value head: ``dq`` and the parts of ``dk`` and ``dΓ`` through the output
-   and the chunk-end state (per value head; GVA sums ``dq`` and ``dk`` over the group afterwards);
-3. :func:`_wy_bwd_kernel`, per chunk and value head: through ``v_new = u − w S`` and the WY transform: ``dv``,
-   ``dβ``, the rest of ``dk`` and ``dΓ``, and ``dg`` (the reverse running sum of ``dΓ``). Two kernels rather than one
-   so that neither holds more than two ``[64, K]`` fp32 accumulators (SASS report).
+   and the chunk-end state (per value head; GVA sums ``dq`` and ``dk`` over the group afterwards), and ``dv_new
+   (β v)ᵀ``, the first part of ``dT``;
+3. :func:`_dv_kernel`, per chunk and value head: ``dv`` through ``u = T (β v)``, ``dw = −dv_new Sᵀ`` and the first
+   part of ``dβ``;
+4. :func:`_wy_bwd_kernel`, per chunk and value head: through ``w`` and ``T = (I + A)⁻¹``: the rest of ``dk``, ``dβ``
+   and ``dΓ``, then ``dg`` (the reverse running sum of ``dΓ``).
 
-Every gradient element is written by exactly one program: deterministic, no atomics.
+Four kernels rather than one so that none holds more than a few ``[chunk, K]`` fp32 tiles: each is spill-free on
+sm_90 (SASS report). Every gradient element is written by exactly one program: deterministic, no atomics.
 """
 
 from __future__ import annotations
@@ -210,7 +214,8 @@ def _wy_bwd_kernel(K, G, BETA, T_IN, DW, DT, CHUNK_START, CHUNK_END, DK, DGAM, D
     # T = (I + A)⁻¹: dA = −Tᵀ dT Tᵀ below the diagonal; A = β_i (k_i · k_j) exp(Γ_i − Γ_j), i > j
     da = -tl.dot(tl.trans(t), tl.dot(dt, tl.trans(t), input_precision=DOT_PRECISION),
                  input_precision=DOT_PRECISION)
-    dkk = tl.where(tl.arange(0, BLOCK_C)[:, None] > tl.arange(0, BLOCK_C)[None, :], da, 0.0) * strict  # ⊙ the decay: the gradient of β_i (k_i · k_j)
+    below = tl.arange(0, BLOCK_C)[:, None] > tl.arange(0, BLOCK_C)[None, :]
+    dkk = tl.where(below, da, 0.0) * strict  # (⊙ the decay) the gradient of β_i (k_i · k_j)
     kk = tl.dot(k, tl.trans(k), input_precision=DOT_PRECISION)
     dbeta += tl.sum(dkk * kk, axis=1)
     dkk = dkk * beta[:, None]  # the gradient of k_i · k_j

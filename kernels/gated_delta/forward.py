@@ -107,7 +107,8 @@ def _unit_lower_inverse(a, BLOCK_C: tl.constexpr):
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
 def _wy_kernel(K, V, G, BETA, CHUNK_START, CHUNK_END, W, U, GCUM, T_OUT, n_heads, n_v_heads, d_k, d_v,
-               STORE_T: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, OFFS_64: tl.constexpr,
+               STORE_T: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+               OFFS_64: tl.constexpr,
                BLOCK_V: tl.constexpr):
     c = tl.program_id(0)
     hv, head = _value_head(n_heads, n_v_heads)

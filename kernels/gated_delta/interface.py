@@ -18,7 +18,7 @@ DQK_BLOCK_V = 16  # state columns per step of the dq / dk backward's loop (spill
 STATE_BLOCK_V = 16  # state columns per program of the two sequential state passes (more programs to fill the GPU
                     # with: batch x HV x V / 16; and no spills in the backward pass: SASS report)
 MAX_HEAD_DIM = 256
-WARPS = 8  # the chunk kernels hold several [64, 128] fp32 tiles: 8 warps halve each thread's share (SASS report)
+WARPS = 8  # the chunk kernels hold several [chunk, 128] fp32 tiles: 8 warps halve each thread's share (SASS report)
 STAGES = 1  # no software pipelining: a stage of the fp32 [64, 128] w / u / v_new tiles is 32 KiB of shared memory
 
 
@@ -32,10 +32,10 @@ def _blocks(x: torch.Tensor, d_k: int, d_v: int, block_v: int = BLOCK_V, chunk: 
 
 
 def chunk_table(cu_seqlens: torch.Tensor, n_tokens: int, chunk: int = CHUNK) -> tuple:
-    """``(chunk_start, chunk_end, chunk_offset, n_programs, chunk)`` for documents ``cu_seqlens [docs + 1]`` on the packed
-    token axis, made on the device without reading it back (no host sync): document ``n``'s chunks are numbered from
-    ``chunk_offset[n]``; the grid has ``n_programs`` (an upper bound of the chunk count: ``Σ ceil(len / C) <= (tokens
-    + docs·(C − 1)) / C``), and a program past the last chunk sees ``start == end`` and returns."""
+    """``(chunk_start, chunk_end, chunk_offset, n_programs, chunk)`` for documents ``cu_seqlens [docs + 1]`` on the
+    packed token axis, made on the device without reading it back (no host sync): document ``n``'s chunks are
+    numbered from ``chunk_offset[n]``; the grid has ``n_programs`` (an upper bound of the chunk count: ``Σ ceil(len /
+    C) <= (tokens + docs·(C − 1)) / C``), and a program past the last chunk sees ``start == end`` and returns."""
     n_docs = cu_seqlens.numel() - 1
     cu = cu_seqlens.to(torch.int64)
     per_doc = (cu[1:] - cu[:-1] + chunk - 1) // chunk
@@ -138,7 +138,8 @@ def gated_delta_backward(d_o, d_final, q, k, v, g, beta, scale: float, initial_s
     if tokens == 0:
         d_s0 = None
         if initial_state is not None:
-            d_s0 = d_final.float().clone() if d_final is not None else torch.zeros_like(initial_state, dtype=torch.float32)
+            d_s0 = (d_final.float().clone() if d_final is not None
+                    else torch.zeros_like(initial_state, dtype=torch.float32))
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(g),
                 torch.zeros_like(beta), d_s0)
     precision = dot_precision(v.dtype)
@@ -159,8 +160,9 @@ def gated_delta_backward(d_o, d_final, q, k, v, g, beta, scale: float, initial_s
     state_dot = torch.empty(n_state_blocks, n_programs, n_v_heads, dtype=torch.float32, device=v.device)
     _state_bwd_kernel[(n_docs, n_v_heads, n_state_blocks)](
         q, k, w, gcum, d_o, cu_seqlens, chunk_offset, d_final if d_final is not None else h, h, dh, dv_new, state_dot,
-        d_s0 if d_s0 is not None else h, scale, n_programs, n_heads, n_v_heads, d_k, d_v, HAS_DS_FINAL=d_final is not None,
-        STORE_DS0=d_s0 is not None, **precision, **state_blocks, num_warps=WARPS, num_stages=STAGES)
+        d_s0 if d_s0 is not None else h, scale, n_programs, n_heads, n_v_heads, d_k, d_v,
+        HAS_DS_FINAL=d_final is not None, STORE_DS0=d_s0 is not None, **precision, **state_blocks, num_warps=WARPS,
+        num_stages=STAGES)
     # 2. through the output and the chunk-end state; 3. through v_new = u − w S and u; 4. through w and the WY
     # transform (adding to dk, dβ and dΓ)
     dq = torch.empty(tokens, n_v_heads, d_k, dtype=torch.float32, device=q.device)
@@ -174,10 +176,9 @@ def gated_delta_backward(d_o, d_final, q, k, v, g, beta, scale: float, initial_s
     grid = (n_programs, n_v_heads)
     block_dv = max(16, triton.next_power_of_2(d_v))
     state_dot = state_dot.sum(0)  # Σ S ⊙ dS_end per chunk and head, in a fixed order
-    _dqk_kernel[grid](q, k, v, g, beta, h, dh, v_new, dv_new, d_o, state_dot, start, end, dq, dk, d_gamma, dt, scale, n_heads,
-                      d_k, d_v,
-                      **precision, **_blocks(v, d_k, d_v, DQK_BLOCK_V, CHUNK_BWD), BLOCK_DV=block_dv,
-                      num_warps=WARPS, num_stages=STAGES)
+    _dqk_kernel[grid](q, k, v, g, beta, h, dh, v_new, dv_new, d_o, state_dot, start, end, dq, dk, d_gamma, dt, scale,
+                      n_heads, d_k, d_v, **precision, **_blocks(v, d_k, d_v, DQK_BLOCK_V, CHUNK_BWD),
+                      BLOCK_DV=block_dv, num_warps=WARPS, num_stages=STAGES)
     _dv_kernel[grid](v, g, beta, t, h, dv_new, start, end, dv, dw, dbeta, d_k, d_v, **precision, **blocks,
                      BLOCK_DV=block_dv, num_warps=WARPS, num_stages=STAGES)
     wy_blocks = {key: blocks[key] for key in ("BLOCK_C", "BLOCK_K", "OFFS_64")}
