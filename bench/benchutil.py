@@ -181,9 +181,13 @@ def gated_delta_baselines() -> dict:
     kernel (when ``fla`` is installed and a GPU is present)."""
     out = {}
     try:
+        import inspect
+
         from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
-        out["transformers-torch"] = torch_chunk_gated_delta_rule
+        # (transformers binds the name to flash-linear-attention's kernel when fla is importable: the torch function
+        # itself is the one it wraps)
+        out["transformers-torch"] = inspect.unwrap(torch_chunk_gated_delta_rule)
     except ImportError:
         pass
     if ON_GPU:

@@ -5,6 +5,8 @@ written here from the definition) and against transformers' own torch implementa
 flash-linear-attention's tests of these functions: relative RMS error of the output, the final state and every
 gradient; lengths that are not multiples of the chunk (and 1); packed documents against each document alone."""
 
+import inspect
+
 import pytest
 import torch
 
@@ -175,8 +177,9 @@ def test_against_transformers_torch_implementations():
 
     q, k, v, g, beta, s0 = _inputs(2, 100, 2, 4, 16, 32, torch.float32, 7)
     q, k = q * 2, k * 3  # the l2norm has work to do
-    for theirs, ours in ((hf.torch_chunk_gated_delta_rule, chunk_gated_delta_rule),
-                         (hf.torch_recurrent_gated_delta_rule, fused_recurrent_gated_delta_rule)):
+    # (unwrapped: transformers binds these names to flash-linear-attention's kernels when fla is importable)
+    for theirs, ours in ((inspect.unwrap(hf.torch_chunk_gated_delta_rule), chunk_gated_delta_rule),
+                         (inspect.unwrap(hf.torch_recurrent_gated_delta_rule), fused_recurrent_gated_delta_rule)):
         ref_o, ref_final = theirs(q, k, v, g, beta, initial_state=s0, output_final_state=True,
                                   use_qk_l2norm_in_kernel=True)
         o, final = ours(q, k, v, g, beta, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
