@@ -191,7 +191,8 @@ def test_bf16_no_further_from_fp32_than_transformers(saved, kind):
 def test_vision_language_directory_loads_its_language_model(tmp_path, caplog):
     """What the Hub publishes: ``Qwen3_5ForConditionalGeneration`` (``qwen3_5``, a ``text_config``, the language model
     under ``model.language_model.``): its language model loads (the vision tower left out, said in the log) with
-    transformers' text logits, multi-token-prediction tensors skipped, and it saves as ``qwen3_5_text``."""
+    transformers' text logits, multi-token-prediction tensors skipped, and it saves as ``qwen3_5_text``; apply_kernels
+    patches the vision-language model itself."""
     transformers = transformers_or_skip()
     from safetensors.torch import load_file, save_file
 
@@ -218,6 +219,13 @@ def test_vision_language_directory_loads_its_language_model(tmp_path, caplog):
     ids = hf_ids()
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), theirs(input_ids=ids).logits, atol=2e-5, rtol=1e-4)
+    # apply_kernels on the vision-language model itself (text inputs): its language model patched, same logits / loss
+    patched = hf.apply_kernels(copy.deepcopy(theirs))
+    assert "linear_attention" in {getattr(m, "_tritonlm_patch", None) for m in patched.modules()}
+    with torch.no_grad():
+        expected, got = theirs(input_ids=ids, labels=ids), patched(input_ids=ids, labels=ids)
+    torch.testing.assert_close(got.logits, expected.logits, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(got.loss, expected.loss, atol=2e-5, rtol=1e-5)
     hf.save_pretrained(ours, tmp_path / "text")
     assert json.loads((tmp_path / "text" / "config.json").read_text())["model_type"] == "qwen3_5_text"
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "text").to(DEVICE).eval()
