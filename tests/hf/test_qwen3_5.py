@@ -124,7 +124,7 @@ def _run(model, batch):
     return logits, loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_text"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_apply_kernels_padded_batch(kind):
     """Every norm (the gated one too), MLP, expert, the attention, the Gated DeltaNet layers (delta rule and conv) and
     the loss patched: a left-padded batch gives the unpatched model's logits, loss and gradients."""

@@ -173,12 +173,20 @@ def _rotary_dispatch(module_name: str, layout: str, pairs: bool):
     return apply_rotary_pos_emb
 
 
-def _attention_forward(self, *args, **kwargs):
-    _state.depth = getattr(_state, "depth", 0) + 1
-    try:
-        return type(self).forward(self, *args, **kwargs)
-    finally:
-        _state.depth -= 1
+def _inside(counter: str):
+    """A patched forward that runs the class's own with ``_state.<counter>`` raised, so the module-level functions it
+    calls (RoPE, the delta rule, the conv) take the kernels while it runs and transformers' code everywhere else."""
+    def forward(self, *args, **kwargs):
+        setattr(_state, counter, getattr(_state, counter, 0) + 1)
+        try:
+            return type(self).forward(self, *args, **kwargs)
+        finally:
+            setattr(_state, counter, getattr(_state, counter) - 1)
+
+    return forward
+
+
+_attention_forward = _inside("depth")  # (apply_rotary_pos_emb routes inside these)
 
 
 def tritonlm_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -464,12 +472,7 @@ _DELTA_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta
 _ORIGINAL_DELTA: dict = {}  # (modeling module, function name) -> transformers' own function
 
 
-def _linear_attention_forward(self, *args, **kwargs):
-    _state.linear = getattr(_state, "linear", 0) + 1
-    try:
-        return type(self).forward(self, *args, **kwargs)
-    finally:
-        _state.linear -= 1
+_linear_attention_forward = _inside("linear")  # (the delta rule and conv functions route inside these)
 
 
 def _delta_rule(recurrent: bool):
