@@ -11,13 +11,15 @@ grouped-query attention; flash-attn 2's entry points :func:`flash_attn_func` and
 (windows, packed sequences); few queries against a long cache take the split-KV (flash-decoding) path.
 
 Kernels run on CUDA tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` was set before Triton was
-imported (the test suite does this). Under the interpreter a shim makes ``tl.dot`` correct on bfloat16.
+imported (the test suite does this). Under the interpreter shims make ``tl.dot`` correct on bfloat16 and let
+Triton 3.6's interpreter index with kernel-made scalars under NumPy 2.
 """
 
-from ._common import INTERPRETING, install_interpreter_bf16_dot_shim
+from ._common import INTERPRETING, install_interpreter_bf16_dot_shim, install_interpreter_index_shim
 
 if INTERPRETING:
     install_interpreter_bf16_dot_shim()
+    install_interpreter_index_shim()
 
 # import order = registration order = the order of the SASS report and the op suite
 # isort: off

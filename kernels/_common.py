@@ -180,6 +180,34 @@ def install_interpreter_bf16_dot_shim() -> bool:
     return True
 
 
+def install_interpreter_index_shim() -> bool:
+    """Let the interpreter use a scalar computed in a kernel as a Python index (``range(lo, hi)`` bounds made with
+    ``tl.maximum`` / ``tl.where``, as the attention launchers' key ranges are).
+
+    The interpreter holds scalars as one-element 1-D arrays, and Triton 3.6's ``tensor.__index__`` is
+    ``int(array)``, which NumPy 2 refuses for anything but 0-D arrays ("only 0-dimensional arrays can be
+    converted to Python scalars"); later Triton squeezes the array first. The shim installs the squeezing form on
+    every interpreted launch. Only touches the interpreter.
+    """
+    try:
+        from triton.runtime import interpreter as interp
+    except ImportError:  # pragma: no cover
+        return False
+    original = getattr(interp, "_patch_lang_tensor", None)
+    if original is None:  # a Triton whose interpreter patches tensors another way: nothing to fix here
+        return False
+    if getattr(original, "_tritonlm_index_shim", False):
+        return True
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_lang_tensor._tritonlm_index_shim = True
+    interp._patch_lang_tensor = patch_lang_tensor
+    return True
+
+
 def first_order_backward(backward):
     """Decorate an ``autograd.Function.backward`` written with kernels that have no backward of their own:
     under ``create_graph=True`` (double backward, gradient penalties) it raises instead of returning gradients

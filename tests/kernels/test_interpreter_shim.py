@@ -1,6 +1,7 @@
 """The interpreter shim (kernels/_common.py) makes bf16 kernels on CPU compute what they compute on GPUs: ``tl.dot``
 on bf16 operands multiplies values (not bit patterns), and ``x.to(tl.bfloat16)`` rounds to nearest even (the
-interpreter alone truncates). Checked against PyTorch's own conversions and matmul."""
+interpreter alone truncates). Checked against PyTorch's own conversions and matmul. And Triton 3.6's interpreter may
+index with scalars a kernel computed (``range`` bounds from ``tl.maximum`` / ``tl.where``) under NumPy 2."""
 
 import pytest
 import torch
@@ -51,3 +52,23 @@ def test_dot_on_16_bit_operands_multiplies_values(dtype):
     c = torch.empty(16, 16)
     _dot_kernel[(1,)](a, b, c, BLOCK=16)
     torch.testing.assert_close(c, a.float() @ b.float(), atol=1e-5, rtol=1e-5)
+
+
+@triton.jit
+def _count_kernel(OUT, n, lo_cut, BLOCK: tl.constexpr):
+    # loop bounds computed in the kernel, as the attention launchers' key ranges are
+    lo = tl.maximum(n - lo_cut, 0)
+    hi = tl.where(n > 5, tl.minimum(n, 40), n + 1)
+    steps = 0
+    for _ in range(lo, hi, BLOCK):
+        steps += 1
+    tl.store(OUT, steps)
+
+
+@cpu_only
+@pytest.mark.parametrize("n, lo_cut, block", [(10, 3, 1), (100, 90, 4), (3, 7, 2), (6, 6, 5)])
+def test_kernel_made_scalars_bound_loops(n, lo_cut, block):
+    out = torch.zeros(1, dtype=torch.int32)
+    _count_kernel[(1,)](out, n, lo_cut, BLOCK=block)
+    lo, hi = max(n - lo_cut, 0), (min(n, 40) if n > 5 else n + 1)
+    assert out.item() == len(range(lo, hi, block))
