@@ -6,8 +6,8 @@ online softmax keeps a running max ``m`` and sum ``l`` in fp32 (base-2 exponenti
 scale) and stores ``O`` and the logsumexp ``L = m + log(l)``; a head's attention sink (one logit without a value)
 joins each row's sum in the epilogue, so L includes it and the backward's P needs nothing else. With ``SPLIT_KV``
 the same kernel covers one slice of the keys and writes fp32 partials for the flash-decoding combine
-(:mod:`.decode`). ``_fwd_kernel_tma`` is the dense forward with Hopper TMA descriptor loads, run only when a tuned
-table asks for it.
+(:mod:`.decode`). ``_fwd_kernel_tma`` is the dense forward with Hopper TMA descriptor loads: sm_90's default for
+16-bit inputs at d 128 (:func:`.launch._tma_default`).
 """
 
 from __future__ import annotations
@@ -258,14 +258,14 @@ def _fwd_inner_tma(acc, m_i, l_i, q, K_DESC, V_DESC, b, h_kv, offs_m, offs_n, ke
 
 @triton.jit
 def _fwd_kernel_tma(
-    Q_DESC, K_DESC, V_DESC, O_DESC, LSE, stride_lb, stride_lh, n_heads, group, n_q, n_k, qk_scale,
+    Q_DESC, K_DESC, V_DESC, O_DESC, LSE, SINKS, stride_lb, stride_lh, n_heads, group, n_q, n_k, qk_scale,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
-    """The dense forward (no window, no packing) with Hopper tensor-memory-accelerator loads: each tile is one
-    ``[1, 1, rows, BLOCK_D]`` box of a 4-D ``[batch, heads, seq, d]`` descriptor made on the host (no descriptor
-    construction or global scratch in the kernel). The TMA unit zero-fills rows and columns outside the tensor, so
-    no load needs a mask; only the causal diagonal masks scores."""
+    """The dense forward (no window, no packing; GQA and sinks) with Hopper tensor-memory-accelerator loads: each
+    tile is one ``[1, 1, rows, BLOCK_D]`` box of a 4-D ``[batch, heads, seq, d]`` descriptor made on the host (no
+    descriptor construction or global scratch in the kernel). The TMA unit zero-fills rows and columns outside the
+    tensor, so no load needs a mask; only the causal diagonal masks scores."""
     b, h, h_kv, start_m = _dense_query_program(n_heads, group, n_q, CAUSAL, BLOCK_M)
     q = _box(Q_DESC, b, h, start_m, BLOCK_M, BLOCK_D)
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -284,7 +284,10 @@ def _fwd_kernel_tma(
                                    shift, qk_scale, False, CAUSAL, BLOCK_N, BLOCK_D, DOT_PRECISION, FOLD_SCALE)
     acc, m_i, l_i = _fwd_inner_tma(acc, m_i, l_i, q, K_DESC, V_DESC, b, h_kv, offs_m, offs_n, full_hi, key_hi, n_k,
                                    shift, qk_scale, True, CAUSAL, BLOCK_N, BLOCK_D, DOT_PRECISION, FOLD_SCALE)
-    # ---- epilogue: rows without a visible key give 0 and L = -inf; the store clips rows past n_q
+    # ---- epilogue: the sink (once per row), then normalise; rows without a visible key give 0 and L = -inf (with a
+    # sink: L = the sink); the store clips rows past n_q
+    if HAS_SINKS:
+        acc, m_i, l_i = _fold_sinks(acc, m_i, l_i, SINKS, h, offs_m < n_q, False)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]

@@ -6,8 +6,9 @@ by head dim and dtype, adjusted per kernel variant (:data:`VARIANTS`), chosen so
 cores without spilling (``tritonlm kernels --report`` prints the evidence); causal query tiles are scheduled
 longest-first (the last query tiles see the most keys) so the tail of the grid is short tiles. A tuned table measured
 on a GPU (``kernels/tuned``) may replace them per GPU, dtype, head dim and variant (:func:`config_key`). Few queries
-against a long cache go to :mod:`.decode`; the TMA kernels (host-made descriptors) run only when a tuned table asks
-for them.
+against a long cache go to :mod:`.decode`. On sm_90 the 16-bit dense forward at d 128 loads K / V through TMA
+descriptors made on the host (:func:`_tma_selected`); the TMA backward kernels run only when a tuned table asks for
+them.
 """
 
 from __future__ import annotations
@@ -132,12 +133,24 @@ def _fold_scale(d: int, dtype: torch.dtype, device: torch.device, variant: tuple
 
 def _tma_selected(d: int, dtype: torch.dtype, device: torch.device, kernel: str = "attention_fwd",
                   variant: tuple[str, ...] = ()) -> bool:
-    """Whether a tuned table (or the sweep) asks for the TMA variant of ``kernel`` here; never by default. Hopper
-    (sm_90+) or the interpreter (which emulates descriptors) only."""
-    chosen = tuned.choose(kernel, config_key(d, dtype, variant), device, {"TMA": 0})["TMA"]
+    """Whether ``kernel`` runs its TMA variant here: by default the forward on sm_90 for 16-bit inputs at d 128
+    (:func:`_tma_default`), otherwise when a tuned table (or the sweep) asks for it (``"TMA": 0`` turns the default
+    off). Hopper (sm_90+) or the interpreter (which emulates descriptors) only."""
+    default = int(kernel == "attention_fwd" and _tma_default(d, dtype, device))
+    chosen = tuned.choose(kernel, config_key(d, dtype, variant), device, {"TMA": default})["TMA"]
     # cuda: the device's capability; meta (the SASS report): the assumed target; cpu: the interpreter
     hopper = device.type == "cpu" or gpu_capability(device) >= 90
     return bool(chosen) and hopper
+
+
+def _tma_default(d: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """The forward's shipped choice: TMA descriptor loads on sm_90 for fp16 / bf16 at d 128, where the SASS wins
+    with both the local compiler and the GPU machine's (sm_90 bf16, main-loop instructions per key against the
+    cp.async kernel: Triton 3.9 4.03 vs 4.43, 219 vs 255 registers; Triton 3.6 3.85 vs 4.18, 247 registers
+    spill-free vs 255 with 24 B of spills). At d 64 they tie (3.71 vs 3.72 with 3.9, 3.61 vs 3.56 with 3.6): the
+    cp.async kernel stays. Only the dense forward has a TMA form (no window, softcap, packing or cache)."""
+    return (on_gpu(device) and gpu_capability(device) == 90 and dtype in (torch.float16, torch.bfloat16)
+            and _block_d(d) == 128)
 
 
 def _tma_ready(*views: torch.Tensor) -> bool:
@@ -172,8 +185,14 @@ def _fwd_config(d: int, dtype: torch.dtype, device: torch.device,
         # Hopper, 16-bit, d 128: 128-key tiles halve the per-key share of the accumulator's rescale and the K / V
         # address arithmetic (SASS report, sm_90 bf16: 5.86 -> 4.43 instructions per key in the main loop, 255
         # registers, spill-free, 1 CTA per SM as with 64-key tiles; plain, GQA, packed and softcapped forwards).
-        # Not with a window (88 B of spills), not on sm_80 (24 B), not at d 64 (128 B): 64-key tiles there
+        # Not with a window (88 B of spills), not on sm_80 (24 B): 64-key tiles there
         block_n, stages = 128, 2
+    if gpu_capability(device) >= 90 and _block_d(d) == 64 and not mla and dtype != torch.float32:
+        # Hopper, 16-bit, d 64: 8 warps on 128 x 128 tiles (16 query rows per warp, not 32): sm_90 bf16 main loop
+        # 8.27 -> 3.72 instructions per key (one warp's) and 33.1 -> 29.8 summed over the warps, 248 registers,
+        # spill-free, 8 warps per SM as before (one CTA, not two of 4 warps); the window forward too (it spilled
+        # 56 B with 4 warps x 64 keys), GQA, packed, softcap and sinks spill-free (Triton 3.9 and 3.6 alike)
+        block_n, warps, stages = 128, 8, 2
     if ("varlen" in variant or "window" in variant) and gpu_capability(device) < 90 and d > 64:
         # sm_80 at d 128: the packed / windowed forward's extra range bookkeeping spills with 64-key tiles
         # (40 / 16 bytes in the SASS report); 32-key tiles are spill-free
@@ -323,17 +342,19 @@ def flash_attention_forward(q, k, v, is_causal: bool, softmax_scale: float, wind
     block_m, block_n, warps, stages = _fwd_config(d, q.dtype, q.device, variant, d_v)
     if paged:
         block_n = min(block_n, max_block_n)
-    if (not packed and not cache and not pack and not common["WINDOW"] and not softcap and sinks is None
+    if (not packed and not cache and not pack and not common["WINDOW"] and not softcap
             and d_v == d and _tma_selected(d, q.dtype, q.device, "attention_fwd", variant)
             and b * h <= MAX_GRID_AXIS1 and _tma_ready(q4, k4, v4, o4)):
-        # ---- Hopper TMA variant (chosen only by a tuned table / the sweep): dense attention, descriptor loads;
-        # descriptors index whole tensors, so it runs as one launch (more batch x heads keep the default kernel)
+        # ---- Hopper TMA variant (sm_90's 16-bit d 128 default, or a tuned table's choice): dense attention (GQA
+        # and sinks included), descriptor loads; descriptors index whole tensors, so it runs as one launch (more
+        # batch x heads, or views TMA cannot address, take the cp.async kernel below: the same results)
         bd = _block_d(d)
         _fwd_kernel_tma[(triton.cdiv(n_q, block_m), b * h)](
             _descriptor(q4, block_m, bd), _descriptor(k4, block_n, bd), _descriptor(v4, block_n, bd),
-            _descriptor(o4, block_m, bd), lse, *lse_strides, h, group, n_q, n_k, softmax_scale * LOG2E,
-            CAUSAL=is_causal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=bd, FOLD_SCALE=common["FOLD_SCALE"],
-            num_warps=warps, num_stages=stages, **_dot_precision(q.dtype))
+            _descriptor(o4, block_m, bd), lse, sinks if sinks is not None else lse, *lse_strides, h, group, n_q, n_k,
+            softmax_scale * LOG2E, CAUSAL=is_causal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=bd,
+            FOLD_SCALE=common["FOLD_SCALE"], HAS_SINKS=sinks is not None, num_warps=warps, num_stages=stages,
+            **_dot_precision(q.dtype))
         return o, lse
     tile_rows = group * n_q if pack else n_q
     if tile_rows < block_m or pack:  # few queries (decoding against a short cache): a smaller query tile wastes

@@ -92,20 +92,18 @@ def _sass_cases(quick: bool) -> list[_registry.SassCase]:
     cases += [
         _registry.SassCase(gqa, lambda: flash_attention_forward(q, kv, kv, True, 0.1),
                            (L("attention.gqa_fwd", 0, 4 * flops),)),
-        # the Hopper TMA variants (only a tuned table selects them): descriptor loads, UTMALDG in the sm_90 SASS
-        _registry.SassCase(gqa, lambda: flash_attention_forward(q, kv, kv, True, 0.1),
-                           (L("attention.tma_fwd", 0, 4 * flops),),
-                           context=lambda: tuned.override("attention_fwd", TMA=1)),
+        # the Hopper TMA backward (only a tuned table selects it; the forward's TMA kernel is sm_90's default at
+        # d 128, in the rows above): descriptor loads, UTMALDG in the sm_90 SASS
         _registry.SassCase(gqa, lambda: flash_attention_backward(q, q, kv, kv, q, lse, True, 0.1),
                            (L("attention.tma_bwd_dkdv", 1, 8 * flops), L("attention.tma_bwd_dq", 2, 6 * flops)),
                            context=lambda: tuned.override("attention_bwd", TMA=1)),
         _registry.SassCase(gqa, lambda: flash_attention_backward(q, q, kv, kv, q, lse, True, 0.1),
                            (L("attention.gqa_bwd_dkdv", 1, 8 * flops),)),
     ]
-    # the sweep's alternatives at d 128 (16 heads), as evidence beside the shipped rows: the forward with 64-key tiles
-    # (the shipped 128 on sm_90; on sm_80 this row is the shipped shape again) and with the scores scaled first
-    # (FOLD_SCALE 0), the dQ kernel with 128-query tiles, and the atomic-dQ
-    # backward's dK/dV kernel with 64-query tiles (dS K on wgmma)
+    # the sweep's alternatives at d 128 (16 heads), as evidence beside the shipped rows: the cp.async forward (TMA 0:
+    # sm_90's default before its TMA forward; on sm_80 the same kernel as shipped) with 128- and 64-key tiles (on
+    # sm_80 the latter is the shipped shape again), the shipped forward with the scores scaled first (FOLD_SCALE 0),
+    # the dQ kernel with 128-query tiles, and the atomic-dQ backward's dK/dV kernel with 64-query tiles (dS K on wgmma)
     q16 = torch.empty(1, 16, 4096, d, dtype=dtype, device=meta)
     lse16 = torch.empty(1, 16, 4096, dtype=torch.float32, device=meta)
     flops16 = 16 * _causal_pairs(4096) * d
@@ -114,8 +112,11 @@ def _sass_cases(quick: bool) -> list[_registry.SassCase]:
     bwd16 = lambda: flash_attention_backward(q16, q16, q16, q16, q16, lse16, True, 0.1)  # noqa: E731
     atomic16 = lambda: flash_attention_backward(q16, q16, q16, q16, q16, lse16, True, 0.1, deterministic=False)  # noqa: E731
     cases += [
-        _registry.SassCase(plain + " (BLOCK_N 64)", fwd16, (L("attention.fwd_n64", 0, 4 * flops16),),
-                           context=lambda: tuned.override("attention_fwd", BLOCK_N=64, num_stages=3), shipped=False),
+        _registry.SassCase(plain + " (cp.async)", fwd16, (L("attention.fwd_cp_async", 0, 4 * flops16),),
+                           context=lambda: tuned.override("attention_fwd", TMA=0), shipped=False),
+        _registry.SassCase(plain + " (cp.async, BLOCK_N 64)", fwd16, (L("attention.fwd_n64", 0, 4 * flops16),),
+                           context=lambda: tuned.override("attention_fwd", TMA=0, BLOCK_N=64, num_stages=3),
+                           shipped=False),
         _registry.SassCase(plain + " (FOLD_SCALE 0)", fwd16, (L("attention.fwd_scaled_first", 0, 4 * flops16),),
                            context=lambda: tuned.override("attention_fwd", FOLD_SCALE=0), shipped=False),
         _registry.SassCase(plain + " (dQ 128x64)", bwd16, (L("attention.bwd_dq_m128", 2, 6 * flops16),),
@@ -208,6 +209,8 @@ def _sweep_cases(device: torch.device, smoke: bool) -> list[_registry.SweepCase]
     b, h, n = (1, 4, 64) if smoke else (4, 16, 4096)
     hopper = smoke or torch.cuda.get_device_capability(device)[0] >= 9
     tma = (dict(TMA=1),) if hopper else ()
+    # the forward's TMA kernel against the cp.async one, whichever of them ships for the key (sm_90: TMA at d 128)
+    fwd_tma = (dict(TMA=1), dict(TMA=0)) if hopper else ()
     few = 1 if smoke else 3  # candidates per variant (the plain kernels get them all)
 
     def inputs(shape, kv_shape=None, grad=True):
@@ -248,7 +251,7 @@ def _sweep_cases(device: torch.device, smoke: bool) -> list[_registry.SweepCase]
     cases = []
     for d in ((16,) if smoke else (64, 128)):
         key = config_key(d, dtype)
-        cases += [_registry.SweepCase("attention_fwd", key, dense(d, train=False), tma + _FWD_CANDIDATES),
+        cases += [_registry.SweepCase("attention_fwd", key, dense(d, train=False), fwd_tma + _FWD_CANDIDATES),
                   _registry.SweepCase("attention_bwd", key, dense(d), tma + _BWD_CANDIDATES),
                   _registry.SweepCase("attention_bwd_dq", key, dense(d), _DQ_CANDIDATES)]
     d = 16 if smoke else 128

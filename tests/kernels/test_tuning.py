@@ -88,6 +88,29 @@ def test_gpu_attention_tables_in_interpreter(arch, d, dtype):
 
 
 @cpu_only
+def test_tma_forward_is_the_sm90_default_at_d128_only():
+    """sm_90, fp16 / bf16, d 128 (97-128 wide): the forward loads through TMA by default (SASS: fewer instructions
+    per key, and spill-free with the GPU machine's Triton 3.6 where the cp.async kernel spills); d 64, fp32, sm_80
+    and the backward keep the cp.async kernels; a tuned ``"TMA": 0`` turns the default off. The interpreter (no GPU
+    target assumed) runs the cp.async kernel unless a table asks."""
+    from tritonlm.kernels._common import assume_gpu_target
+
+    cpu = torch.device("cpu")
+    assert not FA._tma_selected(128, torch.bfloat16, cpu)
+    with assume_gpu_target(90):
+        for d, dtype in ((128, torch.bfloat16), (128, torch.float16), (100, torch.bfloat16)):
+            assert FA._tma_selected(d, dtype, cpu), (d, dtype)
+            assert FA._tma_selected(d, dtype, cpu, variant=("gqa",))
+            assert not FA._tma_selected(d, dtype, cpu, "attention_bwd")
+        for d, dtype in ((64, torch.bfloat16), (128, torch.float32), (256, torch.bfloat16)):
+            assert not FA._tma_selected(d, dtype, cpu), (d, dtype)
+        with tuned.override("attention_fwd", TMA=0):
+            assert not FA._tma_selected(128, torch.bfloat16, cpu)
+    with assume_gpu_target(80):
+        assert not FA._tma_selected(128, torch.bfloat16, cpu)
+
+
+@cpu_only
 @pytest.mark.parametrize("n_cols", [768, 4096, 9000])
 def test_gpu_elementwise_tables_in_interpreter(n_cols):
     """RMSNorm's launch rule at GPU widths (the row kept in registers, or chunked past 8192) and its dweight
@@ -258,7 +281,7 @@ def test_rope_per_head_positions_take_one_head_per_program():
 
 
 # ----------------------------------------------------------------------------------------------------
-# the Hopper TMA forward (descriptor loads), chosen only through a tuned table / the sweep
+# the Hopper TMA kernels (descriptor loads): the forward is sm_90's 16-bit d 128 default, the backward a tuned choice
 # ----------------------------------------------------------------------------------------------------
 @cpu_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -271,7 +294,7 @@ def test_tma_attention_vs_fp64(dtype, heads, kv_heads, n_q, n_k, d, is_causal):
     with tuned.override("attention_fwd", TMA=1), tuned.override("attention_bwd", TMA=1):
         assert FA._tma_selected(d, dtype, q.device) and FA._tma_selected(d, dtype, q.device, "attention_bwd")
         _compare(q, k, v, is_causal, dtype)
-    assert not FA._tma_selected(d, dtype, q.device)  # never without a table entry
+    assert not FA._tma_selected(d, dtype, q.device)  # the interpreter: only through a table entry
 
 
 @cpu_only
