@@ -20,14 +20,30 @@ Each option compiles a kernel of its own (``HAS_SMOOTHING``, ``HAS_ZLOSS``, ``HA
 loss carries only the running max and sum of exponentials through pass 1 and one exponential and one store per
 logit through pass 2; the target's logit is read once per row, its ``-(1 - ε)`` added once per row after pass 2,
 and the ragged last tile is straight-line code after each loop. SASS report (sm_90, bf16, 4096 rows x 128256):
-0.55 warp-instructions per logit counting every loop the kernel holds (was 2.71 with four reductions per tile and
-a compiled second loop per pass), 32 registers, 8 CTAs per SM. Liger-Kernel 0.8.5's kernel, compiled beside it in the
-report's peers section: 0.30 (one row per CTA of 32 warps over 32K-wide tiles, 1 CTA per SM).
+0.57 warp-instructions per logit counting every loop the kernel holds (was 2.71 with four reductions per tile and
+a compiled second loop per pass), 54 registers, 1 CTA of 32 warps per SM. Liger-Kernel 0.8.5's kernel, compiled
+beside it in the report's peers section: 0.30 (one row per CTA of 32 warps over 32K-wide tiles, 1 CTA per SM).
 
-Rows in flight: on a GPU one program takes one row, so pass 2 re-reads ``CTAs/SM x SMs`` rows at once: at Llama 3's
-vocabulary in bf16 (250 KiB a row), 8 x 132 rows on an H100 are 258 MiB, far above its 50 MiB L2, so pass 2 reads
-HBM again at large vocabularies (at GPT-2's 50257, 98 KiB a row, 5 CTAs/SM: 64 MiB). Bounding the rows in flight
-(a persistent grid of fewer programs) would let pass 2 hit L2; not done yet.
+Rows in flight: pass 2 rereads the row pass 1 just streamed, which hits L2 only if the rows every other program
+streams meanwhile fit there. On a GPU one program takes one row, so ``CTAs/SM x SMs`` rows are in flight: with the
+earlier 4K-wide tiles over 8 warps (32 registers, 8 CTAs per SM) that was 8 x 132 rows of Llama 3's vocabulary in
+bf16 (250.5 KiB a row) on an H100 / H200, 258 MiB against their 50 MiB L2. The launch now takes 16K-wide tiles over
+32 warps (:data:`GPU_CONFIG`): 1024 threads at more than 32 registers each leave room for one CTA per SM (SASS
+report, sm_90: 54-62 registers, spill-free), so 132 rows are in flight, and each CTA still streams 32 KiB of bf16
+logits per step to keep HBM busy. The bound comes from the registers, so the compiler decides it: Triton 3.6 (the
+GPU machine's) compiles the bf16 kernel at 128256 to 32 registers, two CTAs per SM, twice the rows below. (A
+grid-stride loop over rows with one program per SM would bound them whatever the registers: compiled here, its
+per-row code in the loop hit the 64-register cap of 1024-thread CTAs, spilled with Triton 3.6 and took 1.4-1.8
+warp-instructions per logit over its loops, against 0.5-0.6.) Bytes in flight between a row's two passes, 132 rows (the gradient is written
+over the logits, into the same L2 lines):
+
+- bf16 at GPT-2's 50257: 98.2 KiB a row, 12.7 MiB;
+- bf16 at Llama 3's 128256: 250.5 KiB a row, 32.3 MiB;
+- fp32 at 50257: 196.3 KiB a row, 25.3 MiB;
+- fp32 at 128256: 501.0 KiB a row, 64.6 MiB (over L2: pass 2 partly from HBM).
+
+Tile and warps are a tunable (``"cross_entropy"``, keyed by dtype) that the GPU sweep times against the earlier
+launch; no GPU has measured either yet.
 
 :func:`cross_entropy` is the public entry point on logits; :mod:`.linear_cross_entropy` calls
 :func:`cross_entropy_rows` on chunks of logits it forms itself and never keeps.
@@ -39,6 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _registry, tuned
 from ._common import (
     as_rows,
     check_device,
@@ -195,18 +212,34 @@ def _cross_entropy_kernel(
 # ----------------------------------------------------------------------------------------------------
 # launcher
 # ----------------------------------------------------------------------------------------------------
-#: GPU: one row per program, 4K-wide vocab tiles (16 fp32 values per thread with 8 warps).
+#: GPU: one row per program, 16K-wide vocab tiles over 32 warps (16 logits per thread): one CTA per SM, so 132 rows
+#: in flight on an H100 / H200, whose reread in pass 2 fits L2 up to Llama 3's vocabulary in bf16 (module docstring).
 #: Interpreter: many rows per tile, since each tile is one numpy step there.
-GPU_CONFIG = dict(BLOCK_T=1, BLOCK_V=4096, num_warps=8)
+GPU_CONFIG = dict(BLOCK_T=1, BLOCK_V=16384, num_warps=32)
 INTERPRETER_CONFIG = dict(BLOCK_T=16, BLOCK_V=2048, num_warps=4)
 
 
-def _launch_config(n_vocab: int, device: torch.device) -> dict:
-    cfg = dict(GPU_CONFIG if on_gpu(device) else INTERPRETER_CONFIG)
+def _launch_config(n_vocab: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """Tiles and warps; a tuned table (``kernels/tuned``, keyed by dtype) may replace the GPU's. A vocabulary
+    narrower than the tile takes a tile of its own width, with a warp per 256 logits at most (512 logits: 2)."""
+    cfg = tuned.choose("cross_entropy", tuned.dtype_name(dtype), device,
+                       dict(GPU_CONFIG if on_gpu(device) else INTERPRETER_CONFIG))
     cfg["BLOCK_V"] = min(cfg["BLOCK_V"], max(16, next_pow2(n_vocab)))
     if on_gpu(device):
         cfg["num_warps"] = max(1, min(cfg["num_warps"], cfg["BLOCK_V"] // 256))
     return cfg
+
+
+#: The GPU launch a tuned table may replace, and the sweep's alternatives: the earlier 4K-wide tiles over 8 warps
+#: (8 CTAs per SM: every row's reread from HBM at large vocabularies), 16 warps on the same tiles (one or two CTAs
+#: per SM), and 32K-wide tiles over 32 warps (Liger-Kernel's shape; it spills 40-184 B on sm_90 at some of the
+#: report's shapes).
+TUNABLE = _registry.Tunable(
+    "cross_entropy", ("BLOCK_V", "num_warps"),
+    (dict(BLOCK_V=4096, num_warps=8), dict(BLOCK_V=16384, num_warps=16), dict(BLOCK_V=8192, num_warps=16),
+     dict(BLOCK_V=32768, num_warps=32)),
+    lambda key, device, dtype: {k: v for k, v in _launch_config(1 << 20, dtype, device).items()
+                                if k in ("BLOCK_V", "num_warps")})
 
 
 def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
@@ -229,7 +262,7 @@ def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, *, ignore_in
         stride_scale = 0 if grad_scale.numel() == 1 else grad_scale.stride(0)
     else:
         grad, grad_scale, stride_scale = logits, loss, 0  # unused pointers
-    cfg = _launch_config(n_vocab, logits.device)
+    cfg = _launch_config(n_vocab, logits.dtype, logits.device)
     grid = (triton.cdiv(n_rows, cfg["BLOCK_T"]),)
     _cross_entropy_kernel[grid](
         logits, targets, loss, lse, z_term, grad, grad_scale,

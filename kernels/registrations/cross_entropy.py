@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import _registry
-from ..cross_entropy_loss import cross_entropy, cross_entropy_rows
+from .. import _registry, tuned
+from ..cross_entropy_loss import TUNABLE, cross_entropy, cross_entropy_rows
 
 
 def _sass_cases(quick: bool) -> list[_registry.SassCase]:
@@ -28,6 +28,24 @@ def _sass_cases(quick: bool) -> list[_registry.SassCase]:
     return cases
 
 
+def _sweep_cases(device: torch.device, smoke: bool) -> list[_registry.SweepCase]:
+    """Loss and gradient (in place) over 4096 rows of Llama 3's vocabulary, bf16 (smoke: 64 x 1000, fp32)."""
+    dtype = torch.float32 if smoke else torch.bfloat16
+    rows, vocab = (64, 1000) if smoke else (4096, 128256)
+
+    def step():
+        logits = torch.randn(rows, vocab, device=device, dtype=dtype)
+        targets = torch.randint(0, vocab, (rows,), device=device)
+        scale = torch.full((1,), 1.0 / rows, device=device)
+
+        def run():
+            grad = logits.clone()  # (written in place, as the loss's backward does with a dead logits buffer)
+            loss, lse, _ = cross_entropy_rows(grad, targets, grad=grad, grad_scale=scale)
+            return loss, lse, grad
+        return run
+    return [_registry.SweepCase("cross_entropy", tuned.dtype_name(dtype), step, TUNABLE.candidates)]
+
+
 def _opcheck_cases() -> dict[str, list[tuple]]:
     logits, t, one = torch.randn(5, 11), torch.randint(0, 11, (5,)), torch.ones(1)
     return {"cross_entropy_fwd": [(logits, t, -100, 0.1, 1e-3, None, one, True)]}
@@ -40,6 +58,6 @@ def _double_backward_cases():
 
 _registry.register(_registry.Op(
     name="cross_entropy", entry_points=("cross_entropy", "CrossEntropyFunction"),
-    reference="tritonlm.modules.functional.cross_entropy", sass_cases=_sass_cases, bench_section="lm_head_loss",
-    opcheck_cases=_opcheck_cases, double_backward_cases=_double_backward_cases,
-    notes=("one launch rule (GPU_CONFIG), not tuned",)))
+    reference="tritonlm.modules.functional.cross_entropy", tunables=(TUNABLE,), sass_cases=_sass_cases,
+    sweep_cases=_sweep_cases, bench_section="lm_head_loss", opcheck_cases=_opcheck_cases,
+    double_backward_cases=_double_backward_cases))
