@@ -26,10 +26,10 @@ prints the evidence); causal query tiles are scheduled longest-first (the last q
 keys) so the tail of the grid is short tiles. A tuned table measured on a GPU (``kernels/tuned``) may replace
 them per GPU, dtype, head dim and kernel variant (``bf16-d128-gqa``: :func:`.launch.config_key`).
 
-Variants, chosen explicitly: ``deterministic=False`` adds dQ with fp32 atomics inside the dK/dV kernel (no dQ
-kernel: 5 matmuls per tile pair instead of 7); ``_fwd_kernel_tma`` and ``_bwd_*_kernel_tma``, the dense forward and
-backward with Hopper TMA loads through host-made descriptors, run only when a tuned table (or the suite's sweep) asks
-for them (``"TMA": 1``).
+Variants: ``deterministic=False`` adds dQ with fp32 atomics inside the dK/dV kernel (no dQ kernel: 5 matmuls per
+tile pair instead of 7); ``_fwd_kernel_tma``, the dense forward (GQA, sinks) with Hopper TMA loads through host-made
+descriptors, is sm_90's default for fp16 / bf16 at d 128 (a tuned ``"TMA": 0`` turns it off); the backward's
+``_bwd_*_kernel_tma`` run only when a tuned table (or the suite's sweep) asks for them (``"TMA": 1``).
 
 
 Files, by phase (as flash-attention's own ``flash_attn/cute/``): :mod:`.tiles` (shared ``@jit`` tile
