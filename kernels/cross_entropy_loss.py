@@ -20,30 +20,28 @@ Each option compiles a kernel of its own (``HAS_SMOOTHING``, ``HAS_ZLOSS``, ``HA
 loss carries only the running max and sum of exponentials through pass 1 and one exponential and one store per
 logit through pass 2; the target's logit is read once per row, its ``-(1 - ε)`` added once per row after pass 2,
 and the ragged last tile is straight-line code after each loop. SASS report (sm_90, bf16, 4096 rows x 128256):
-0.57 warp-instructions per logit counting every loop the kernel holds (was 2.71 with four reductions per tile and
-a compiled second loop per pass), 54 registers, 1 CTA of 32 warps per SM. Liger-Kernel 0.8.5's kernel, compiled
+0.61 warp-instructions per logit counting every loop the kernel holds (was 2.71 with four reductions per tile and
+a compiled second loop per pass), 58 registers, 1 CTA of 32 warps per SM. Liger-Kernel 0.8.5's kernel, compiled
 beside it in the report's peers section: 0.30 (one row per CTA of 32 warps over 32K-wide tiles, 1 CTA per SM).
 
 Rows in flight: pass 2 rereads the row pass 1 just streamed, which hits L2 only if the rows every other program
 streams meanwhile fit there. On a GPU one program takes one row, so ``CTAs/SM x SMs`` rows are in flight: with the
 earlier 4K-wide tiles over 8 warps (32 registers, 8 CTAs per SM) that was 8 x 132 rows of Llama 3's vocabulary in
 bf16 (250.5 KiB a row) on an H100 / H200, 258 MiB against their 50 MiB L2. The launch now takes 16K-wide tiles over
-32 warps (:data:`GPU_CONFIG`): 1024 threads at more than 32 registers each leave room for one CTA per SM (SASS
-report, sm_90: 54-62 registers, spill-free), so 132 rows are in flight, and each CTA still streams 32 KiB of bf16
-logits per step to keep HBM busy. The bound comes from the registers, so the compiler decides it: Triton 3.6 (the
-GPU machine's) compiles the bf16 kernel at 128256 to 32 registers, two CTAs per SM, twice the rows below. (A
-grid-stride loop over rows with one program per SM would bound them whatever the registers: compiled here, its
-per-row code in the loop hit the 64-register cap of 1024-thread CTAs, spilled with Triton 3.6 and took 1.4-1.8
-warp-instructions per logit over its loops, against 0.5-0.6.) Bytes in flight between a row's two passes, 132 rows (the gradient is written
-over the logits, into the same L2 lines):
+32 warps (:data:`GPU_CONFIG`), and pass 1 loads them through shared-memory buffers of async copies sized so that
+two CTAs cannot share an SM (:func:`_load_stages`: 128 KiB on sm_90): one CTA per SM whatever the registers (a bound
+from the registers alone failed with Triton 3.6, which compiles the bf16 kernel at 128256 to 32 registers: two CTAs
+per SM). So 132 rows are in flight, and each CTA keeps two to four tiles of loads in flight for HBM. SASS
+report, sm_90: 54-64 registers, spill-free, 0.54-0.62 warp-instructions per logit over every loop. Bytes in flight
+between a row's two passes, 132 rows (the gradient is written over the logits, into the same L2 lines):
 
 - bf16 at GPT-2's 50257: 98.2 KiB a row, 12.7 MiB;
 - bf16 at Llama 3's 128256: 250.5 KiB a row, 32.3 MiB;
 - fp32 at 50257: 196.3 KiB a row, 25.3 MiB;
 - fp32 at 128256: 501.0 KiB a row, 64.6 MiB (over L2: pass 2 partly from HBM).
 
-Tile and warps are a tunable (``"cross_entropy"``, keyed by dtype) that the GPU sweep times against the earlier
-launch; no GPU has measured either yet.
+Tile, warps and pipeline depth are a tunable (``"cross_entropy"``, keyed by dtype) that the GPU sweep times against
+the earlier launch; no GPU has measured either yet.
 
 :func:`cross_entropy` is the public entry point on logits; :mod:`.linear_cross_entropy` calls
 :func:`cross_entropy_rows` on chunks of logits it forms itself and never keeps.
@@ -61,6 +59,7 @@ from ._common import (
     check_device,
     check_float,
     first_order_backward,
+    gpu_capability,
     next_pow2,
     on_gpu,
     use_custom_op,
@@ -135,7 +134,7 @@ def _cross_entropy_kernel(
     stride_logits_row, stride_grad_row, stride_scale, n_rows, n_vocab,
     ignore_index, label_smoothing, z_loss, softcap,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, LOAD_STAGES: tl.constexpr,
 ):
     # HAS_SMOOTHING / HAS_ZLOSS / HAS_SOFTCAP: each option compiles its own kernel, so the plain loss carries only
     # the max and the sum of exponentials through its loops (the other options' work is not even branched over)
@@ -154,11 +153,13 @@ def _cross_entropy_kernel(
                        .to(tl.float32), softcap, HAS_SOFTCAP)
 
     # ---- pass 1: online max and sum of exp (base 2), the sum of logits with label smoothing; the ragged tail is
-    # one masked tile after the loop (straight-line code, not a second loop)
+    # one masked tile after the loop (straight-line code, not a second loop). Its tiles arrive through
+    # LOAD_STAGES - 1 shared-memory buffers of async copies: HBM traffic kept in flight by one CTA per SM, and the
+    # buffers' size keeps a second CTA off the SM (the launcher's _load_stages)
     m = tl.full([BLOCK_T], float("-inf"), dtype=tl.float32)
     s = tl.zeros([BLOCK_T], dtype=tl.float32)
     z_sum = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for start in range(0, full_end, BLOCK_V):
+    for start in tl.range(0, full_end, BLOCK_V, num_stages=LOAD_STAGES):
         m, s, z_sum = _stats_tile(m, s, z_sum, logit_rows, row_mask, cols, start, n_vocab, softcap, HAS_SOFTCAP,
                                   HAS_SMOOTHING, False)
     if full_end < n_vocab:
@@ -212,11 +213,27 @@ def _cross_entropy_kernel(
 # ----------------------------------------------------------------------------------------------------
 # launcher
 # ----------------------------------------------------------------------------------------------------
-#: GPU: one row per program, 16K-wide vocab tiles over 32 warps (16 logits per thread): one CTA per SM, so 132 rows
-#: in flight on an H100 / H200, whose reread in pass 2 fits L2 up to Llama 3's vocabulary in bf16 (module docstring).
+#: GPU: one row per program, 16K-wide vocab tiles over 32 warps (16 logits per thread), pass 1 pipelined through
+#: ``LOAD_STAGES - 1`` shared-memory buffers (:func:`_load_stages`): one CTA per SM, so 132 rows in flight on an
+#: H100 / H200, whose reread in pass 2 fits L2 up to Llama 3's vocabulary in bf16 (module docstring).
 #: Interpreter: many rows per tile, since each tile is one numpy step there.
 GPU_CONFIG = dict(BLOCK_T=1, BLOCK_V=16384, num_warps=32)
-INTERPRETER_CONFIG = dict(BLOCK_T=16, BLOCK_V=2048, num_warps=4)
+INTERPRETER_CONFIG = dict(BLOCK_T=16, BLOCK_V=2048, num_warps=4, LOAD_STAGES=1)
+#: (shared memory per SM, the most one CTA may take) by compute capability, bytes; others take the smallest
+_SHARED_MEMORY = {90: (228 << 10, 227 << 10), 100: (228 << 10, 227 << 10), 80: (164 << 10, 163 << 10),
+                  87: (164 << 10, 163 << 10)}
+_SHARED_MEMORY_DEFAULT = (100 << 10, 99 << 10)  # sm_86 / sm_89 / sm_120
+
+
+def _load_stages(tile_bytes: int, capability: int) -> int:
+    """Pass 1's pipeline depth: enough buffers of ``tile_bytes`` that two CTAs cannot share an SM's shared memory
+    (so one CTA per SM whatever the compiler makes of the registers: rows in flight = SMs), as long as one CTA can
+    hold them, at most 7. sm_90: bf16 16K-wide tiles (32 KiB) 4 buffers, 128 KiB; fp32 (64 KiB) 2, 128 KiB; sm_80:
+    bf16 3 (96 KiB), fp32 2 (128 KiB); 100 KiB parts (sm_86 / 89 / 120): bf16 2, fp32 1."""
+    per_sm, per_block = _SHARED_MEMORY.get(capability, _SHARED_MEMORY_DEFAULT)
+    want = per_sm // 2 // tile_bytes + 1
+    fit = (per_block - (4 << 10)) // tile_bytes  # (a few KiB for the reductions' scratch)
+    return max(1, min(want, fit, 7)) + 1
 
 
 def _launch_config(n_vocab: int, dtype: torch.dtype, device: torch.device) -> dict:
@@ -227,19 +244,21 @@ def _launch_config(n_vocab: int, dtype: torch.dtype, device: torch.device) -> di
     cfg["BLOCK_V"] = min(cfg["BLOCK_V"], max(16, next_pow2(n_vocab)))
     if on_gpu(device):
         cfg["num_warps"] = max(1, min(cfg["num_warps"], cfg["BLOCK_V"] // 256))
+        if "LOAD_STAGES" not in cfg:  # (a tuned entry may set it)
+            cfg["LOAD_STAGES"] = _load_stages(cfg["BLOCK_V"] * dtype.itemsize, gpu_capability(device))
     return cfg
 
 
 #: The GPU launch a tuned table may replace, and the sweep's alternatives: the earlier 4K-wide tiles over 8 warps
-#: (8 CTAs per SM: every row's reread from HBM at large vocabularies), 16 warps on the same tiles (one or two CTAs
-#: per SM), and 32K-wide tiles over 32 warps (Liger-Kernel's shape; it spills 40-184 B on sm_90 at some of the
-#: report's shapes).
+#: without the pipeline (8 CTAs per SM: every row's reread from HBM at large vocabularies), no pipeline (registers
+#: decide the CTAs per SM), a shallower one, 16 warps on the same tiles, 8K tiles, and 32K-wide tiles over 32 warps
+#: (Liger-Kernel's shape; it spilled 40-184 B on sm_90 at some of the report's shapes).
 TUNABLE = _registry.Tunable(
-    "cross_entropy", ("BLOCK_V", "num_warps"),
-    (dict(BLOCK_V=4096, num_warps=8), dict(BLOCK_V=16384, num_warps=16), dict(BLOCK_V=8192, num_warps=16),
-     dict(BLOCK_V=32768, num_warps=32)),
+    "cross_entropy", ("BLOCK_V", "num_warps", "LOAD_STAGES"),
+    (dict(BLOCK_V=4096, num_warps=8, LOAD_STAGES=1), dict(LOAD_STAGES=1), dict(LOAD_STAGES=3),
+     dict(BLOCK_V=16384, num_warps=16), dict(BLOCK_V=8192, num_warps=16), dict(BLOCK_V=32768, num_warps=32)),
     lambda key, device, dtype: {k: v for k, v in _launch_config(1 << 20, dtype, device).items()
-                                if k in ("BLOCK_V", "num_warps")})
+                                if k in ("BLOCK_V", "num_warps", "LOAD_STAGES")})
 
 
 def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,

@@ -50,7 +50,7 @@ def __getattr__(name):
 _POW2_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_R", "BLOCK_S", "BLOCK", "BLOCK_V", "HEADS", "num_warps")
 _LIMITS = {"BLOCK_M": (1, 256), "BLOCK_N": (16, 256), "BLOCK_S": (1, 256), "BLOCK_K": (16, 256), "BLOCK_R": (16, 256), "BLOCK": (128, 16384), "HEADS": (1, 64),
            "num_warps": (1, 32), "num_stages": (1, 8), "TMA": (0, 1), "FOLD_SCALE": (0, 1),
-           "ROW_STAGES": (1, 4), "PROGRAMS_PER_SM": (1, 8), "BLOCK_V": (256, 32768), "IN_FLIGHT_MIB": (0, 1024)}
+           "ROW_STAGES": (1, 4), "PROGRAMS_PER_SM": (1, 8), "BLOCK_V": (256, 32768), "LOAD_STAGES": (1, 8)}
 
 
 class TunedTableError(ValueError):

@@ -30,7 +30,7 @@ def test_tuned_fields_come_from_the_registered_tunables():
     fields = tuned.fields()
     assert set(fields) == {"attention_fwd", "attention_bwd", "attention_bwd_dq", "rms_norm", "rope", "swiglu", "geglu", "moe_up", "moe_down",
                            "moe_down_bwd", "moe_dx", "moe_weight_grad", "cross_entropy"}
-    assert fields["cross_entropy"] == ("BLOCK_V", "num_warps")
+    assert fields["cross_entropy"] == ("BLOCK_V", "num_warps", "LOAD_STAGES")
     assert fields["rms_norm"] == ("BLOCK_M", "num_warps", "ROW_STAGES", "PROGRAMS_PER_SM") and "TMA" in fields["attention_fwd"]
     with pytest.raises(tuned.TunedTableError, match="unknown kernel 'paged_decode'"):
         tuned.validate({"version": 1, "kernels": {"paged_decode": {"bf16": {"BLOCK": 1024}}}})

@@ -88,6 +88,33 @@ def test_gpu_attention_tables_in_interpreter(arch, d, dtype):
 
 
 @cpu_only
+@pytest.mark.parametrize("arch", [90, 80])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_cross_entropy_launch_in_interpreter(arch, dtype):
+    """The loss's GPU launch (16K-wide tiles, pass 1 through its load pipeline) at a vocabulary of two whole tiles and
+    a ragged one, loss and gradient against F.cross_entropy in fp64; the pipeline depth keeps two CTAs off an SM."""
+    from tritonlm.kernels import cross_entropy
+    from tritonlm.kernels import cross_entropy_loss as CE
+    from tritonlm.kernels._common import assume_gpu_target
+
+    vocab = 2 * 16384 + 1234
+    with assume_gpu_target(arch):
+        cfg = CE._launch_config(vocab, dtype, torch.device("cpu"))
+        assert (cfg["BLOCK_V"], cfg["num_warps"]) == (16384, 32)
+        buffers = (cfg["LOAD_STAGES"] - 1) * 16384 * dtype.itemsize
+        assert buffers > {90: 114, 80: 82}[arch] * 1024, cfg
+        logits = (4 * torch.randn(3, vocab)).to(dtype).requires_grad_()
+        targets = torch.tensor([5, vocab - 1, 20000])
+        loss = cross_entropy(logits, targets)
+        loss.backward()
+    ref_logits = logits.detach().double().requires_grad_()
+    ref = F.cross_entropy(ref_logits, targets)
+    ref.backward()
+    torch.testing.assert_close(loss.double(), ref, **tolerance(dtype))
+    torch.testing.assert_close(logits.grad.double(), ref_logits.grad, **tolerance(dtype))
+
+
+@cpu_only
 def test_tma_forward_is_the_sm90_default_at_d128_only():
     """sm_90, fp16 / bf16, d 128 (97-128 wide): the forward loads through TMA by default (SASS: fewer instructions
     per key, and spill-free with the GPU machine's Triton 3.6 where the cp.async kernel spills); d 64, fp32, sm_80
