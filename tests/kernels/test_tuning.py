@@ -115,6 +115,25 @@ def test_gpu_cross_entropy_launch_in_interpreter(arch, dtype):
 
 
 @cpu_only
+@pytest.mark.parametrize("n_q,n_k,is_causal", [(70, 90, True), (130, 45, True), (33, 140, False)])
+def test_sm90_default_tma_forward_on_flash_attn_layout(n_q, n_k, is_causal, monkeypatch):
+    """sm_90's default d 128 bf16 forward, as flash_attn_func reaches it: [batch, seq, heads, d] tensors (descriptors
+    over transposed views), GQA, more keys than queries and fewer (rows that see no key), against SDPA in fp64; the
+    TMA kernel is the one launched."""
+    from tritonlm.kernels import flash_attn_func
+    from tritonlm.kernels._common import assume_gpu_target
+
+    launched, kernel = [], FA._fwd_kernel_tma
+    monkeypatch.setattr(kernel, "run", lambda *a, _run=kernel.run, **kw: launched.append(1) or _run(*a, **kw))
+    q, k, v = (t.detach().transpose(1, 2).requires_grad_() for t in _qkv(2, 4, 2, n_q, n_k, 128, torch.bfloat16))
+    with assume_gpu_target(90):
+        out = flash_attn_func(q, k, v, causal=is_causal)
+    assert launched
+    (q64, k64, v64), ref = _sdpa64(*(t.transpose(1, 2) for t in (q, k, v)), is_causal)
+    torch.testing.assert_close(out.double(), ref.transpose(1, 2), atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+
+
+@cpu_only
 def test_tma_forward_is_the_sm90_default_at_d128_only():
     """sm_90, fp16 / bf16, d 128 (97-128 wide): the forward loads through TMA by default (SASS: fewer instructions
     per key, and spill-free with the GPU machine's Triton 3.6 where the cp.async kernel spills); d 64, fp32, sm_80
