@@ -13,6 +13,7 @@ from .launch import (
     _bwd_config,
     _bwd_dq_config,
     _fwd_config,
+    _tma_selected,
     config_key,
     flash_attention,
     flash_attention_backward,
@@ -209,8 +210,10 @@ def _sweep_cases(device: torch.device, smoke: bool) -> list[_registry.SweepCase]
     b, h, n = (1, 4, 64) if smoke else (4, 16, 4096)
     hopper = smoke or torch.cuda.get_device_capability(device)[0] >= 9
     tma = (dict(TMA=1),) if hopper else ()
-    # the forward's TMA kernel against the cp.async one, whichever of them ships for the key (sm_90: TMA at d 128)
-    fwd_tma = (dict(TMA=1), dict(TMA=0)) if hopper else ()
+    def fwd_tma(d):
+        """The forward's TMA kernel against the cp.async one: whichever of them does not ship for this key (sm_90:
+        TMA at d 128 in 16 bits) is the candidate."""
+        return (dict(TMA=int(not _tma_selected(d, dtype, device))),) if hopper else ()
     few = 1 if smoke else 3  # candidates per variant (the plain kernels get them all)
 
     def inputs(shape, kv_shape=None, grad=True):
@@ -251,7 +254,7 @@ def _sweep_cases(device: torch.device, smoke: bool) -> list[_registry.SweepCase]
     cases = []
     for d in ((16,) if smoke else (64, 128)):
         key = config_key(d, dtype)
-        cases += [_registry.SweepCase("attention_fwd", key, dense(d, train=False), fwd_tma + _FWD_CANDIDATES),
+        cases += [_registry.SweepCase("attention_fwd", key, dense(d, train=False), fwd_tma(d) + _FWD_CANDIDATES),
                   _registry.SweepCase("attention_bwd", key, dense(d), tma + _BWD_CANDIDATES),
                   _registry.SweepCase("attention_bwd_dq", key, dense(d), _DQ_CANDIDATES)]
     d = 16 if smoke else 128
