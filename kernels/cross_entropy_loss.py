@@ -29,9 +29,9 @@ streams meanwhile fit there. On a GPU one program takes one row, so ``CTAs/SM x 
 earlier 4K-wide tiles over 8 warps (32 registers, 8 CTAs per SM) that was 8 x 132 rows of Llama 3's vocabulary in
 bf16 (250.5 KiB a row) on an H100 / H200, 258 MiB against their 50 MiB L2. The launch now takes 16K-wide tiles over
 32 warps (:data:`GPU_CONFIG`), and pass 1 loads them through shared-memory buffers of async copies sized so that
-two CTAs cannot share an SM (:func:`_load_stages`: 128 KiB on sm_90): one CTA per SM whatever the registers (a bound
-from the registers alone failed with Triton 3.6, which compiles the bf16 kernel at 128256 to 32 registers: two CTAs
-per SM). So 132 rows are in flight, and each CTA keeps two to four tiles of loads in flight for HBM. SASS
+two CTAs cannot share an SM where the rows need it (:func:`_load_stages`: 128 KiB on sm_90 from 4 whole tiles, bf16
+vocabularies >= 65536): one CTA per SM whatever the registers (a bound from the registers alone failed with Triton
+3.6, which compiles the bf16 kernel at 128256 to 32 registers: two CTAs per SM). So 132 rows are in flight, and each CTA keeps two to four tiles of loads in flight for HBM. SASS
 report, sm_90: 54-64 registers, spill-free, 0.54-0.62 warp-instructions per logit over every loop. Bytes in flight
 between a row's two passes, 132 rows (the gradient is written over the logits, into the same L2 lines):
 
@@ -225,15 +225,18 @@ _SHARED_MEMORY = {90: (228 << 10, 227 << 10), 100: (228 << 10, 227 << 10), 80: (
 _SHARED_MEMORY_DEFAULT = (100 << 10, 99 << 10)  # sm_86 / sm_89 / sm_120
 
 
-def _load_stages(tile_bytes: int, capability: int) -> int:
+def _load_stages(tile_bytes: int, whole_tiles: int, capability: int) -> int:
     """Pass 1's pipeline depth: enough buffers of ``tile_bytes`` that two CTAs cannot share an SM's shared memory
     (so one CTA per SM whatever the compiler makes of the registers: rows in flight = SMs), as long as one CTA can
-    hold them, at most 7. sm_90: bf16 16K-wide tiles (32 KiB) 4 buffers, 128 KiB; fp32 (64 KiB) 2, 128 KiB; sm_80:
-    bf16 3 (96 KiB), fp32 2 (128 KiB); 100 KiB parts (sm_86 / 89 / 120): bf16 2, fp32 1."""
+    hold them, at most 7, and no more than the row's whole tiles (a deeper pipeline than the loop would only take
+    shared memory). sm_90, 16K-wide tiles: bf16 (32 KiB) 4 buffers, 128 KiB, from 4 whole tiles (vocab >= 65536);
+    fp32 (64 KiB) 2, 128 KiB; sm_80: bf16 3 (96 KiB), fp32 2 (128 KiB); 100 KiB parts (sm_86 / 89 / 120): bf16 2,
+    fp32 1. With fewer whole tiles the rows are short enough that two CTAs' rows fit L2 too (bf16 at GPT-2's 50257,
+    3 tiles: 96 KiB, 2 x 132 rows = 25.9 MiB)."""
     per_sm, per_block = _SHARED_MEMORY.get(capability, _SHARED_MEMORY_DEFAULT)
     want = per_sm // 2 // tile_bytes + 1
     fit = (per_block - (4 << 10)) // tile_bytes  # (a few KiB for the reductions' scratch)
-    return max(1, min(want, fit, 7)) + 1
+    return max(1, min(want, fit, 7, whole_tiles)) + 1
 
 
 def _launch_config(n_vocab: int, dtype: torch.dtype, device: torch.device) -> dict:
@@ -245,7 +248,8 @@ def _launch_config(n_vocab: int, dtype: torch.dtype, device: torch.device) -> di
     if on_gpu(device):
         cfg["num_warps"] = max(1, min(cfg["num_warps"], cfg["BLOCK_V"] // 256))
         if "LOAD_STAGES" not in cfg:  # (a tuned entry may set it)
-            cfg["LOAD_STAGES"] = _load_stages(cfg["BLOCK_V"] * dtype.itemsize, gpu_capability(device))
+            cfg["LOAD_STAGES"] = _load_stages(cfg["BLOCK_V"] * dtype.itemsize, n_vocab // cfg["BLOCK_V"],
+                                              gpu_capability(device))
     return cfg
 
 

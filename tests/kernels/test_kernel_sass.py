@@ -280,13 +280,16 @@ def test_plain_cross_entropy_issues_at_most_08_warp_instructions_per_logit(rows)
 def test_cross_entropy_rows_in_flight_fit_l2(rows):
     """Issue 36: pass 2 rereads each row from L2 only if the rows in flight (one per CTA: CTAs per SM x 132 SMs on an
     H100 / H200) fit their 50 MiB L2; in bf16 up to Llama 3's vocabulary they do (the row's bytes from the case's
-    shape, the CTAs from the compiled kernel), where the earlier 8-warp launch kept 8 CTAs per SM (258 MiB). The
-    bound is pass 1's shared-memory pipeline (over half an SM's 228 KiB), not the registers a compiler picks."""
+    shape, the CTAs from the compiled kernel), where the earlier 8-warp launch kept 8 CTAs per SM (258 MiB). Where
+    two 1024-thread CTAs' rows would not fit, the bound is pass 1's shared-memory pipeline (over half an SM's 228 KiB),
+    not the registers a compiler picks."""
     loss = _by(rows, "sm_90", "cross_entropy")
     assert loss
     for r in loss:
         vocab = int(r["case"].split()[0].split("x")[1])
-        assert "bfloat16" in r["case"] and r["dynamic_smem_bytes"] > 114 * 1024, r
+        assert "bfloat16" in r["case"], r["case"]
+        if 2 * 132 * vocab * 2 > 50 * 2**20:
+            assert r["dynamic_smem_bytes"] > 114 * 1024, r
         in_flight = r["ctas_per_sm"] * 132 * vocab * 2  # bf16 logits, the gradient written over them
         assert in_flight <= 50 * 2**20, (r["case"], r["ctas_per_sm"], in_flight / 2**20)
 

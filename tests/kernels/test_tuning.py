@@ -91,20 +91,22 @@ def test_gpu_attention_tables_in_interpreter(arch, d, dtype):
 @pytest.mark.parametrize("arch", [90, 80])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_cross_entropy_launch_in_interpreter(arch, dtype):
-    """The loss's GPU launch (16K-wide tiles, pass 1 through its load pipeline) at a vocabulary of two whole tiles and
-    a ragged one, loss and gradient against F.cross_entropy in fp64; the pipeline depth keeps two CTAs off an SM."""
+    """The loss's GPU launch (16K-wide tiles, pass 1 through its load pipeline) at a vocabulary of five whole tiles
+    and a ragged one, loss and gradient against F.cross_entropy in fp64; the pipeline's buffers keep two CTAs off
+    an SM there, and a one-tile vocabulary gets no deeper pipeline than its loop."""
     from tritonlm.kernels import cross_entropy
     from tritonlm.kernels import cross_entropy_loss as CE
     from tritonlm.kernels._common import assume_gpu_target
 
-    vocab = 2 * 16384 + 1234
+    vocab = 5 * 16384 + 1234
     with assume_gpu_target(arch):
         cfg = CE._launch_config(vocab, dtype, torch.device("cpu"))
         assert (cfg["BLOCK_V"], cfg["num_warps"]) == (16384, 32)
         buffers = (cfg["LOAD_STAGES"] - 1) * 16384 * dtype.itemsize
         assert buffers > {90: 114, 80: 82}[arch] * 1024, cfg
+        assert CE._launch_config(16384 + 1234, dtype, torch.device("cpu"))["LOAD_STAGES"] == 2
         logits = (4 * torch.randn(3, vocab)).to(dtype).requires_grad_()
-        targets = torch.tensor([5, vocab - 1, 20000])
+        targets = torch.tensor([5, vocab - 1, 70000])
         loss = cross_entropy(logits, targets)
         loss.backward()
     ref_logits = logits.detach().double().requires_grad_()
