@@ -85,6 +85,9 @@ class ModelConfig:
     moe_d_ff: int | None = None
     norm_topk_prob: bool = True  # renormalise the chosen experts' probabilities to sum to 1 (Mixtral, Qwen3-MoE)
     router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss in training (transformers' default)
+    # whether training adds it: a Hugging Face checkpoint's output_router_logits (published configs ship false, and
+    # transformers then adds no term); a model built here adds it
+    router_aux_loss: bool = True
     shared_expert_d_ff: int | None = None  # a sigmoid-gated shared SwiGLU expert every token runs (Qwen2-MoE)
     moe_layers: tuple | None = None  # indices of the MoE layers (None: every layer)
     # attention options of the model families people fine-tune
@@ -157,6 +160,8 @@ class ModelConfig:
     model_type: str | None = None
 
     def __post_init__(self):
+        if self.attention == "mla" and self.head_dim is None:  # determined: every query / key head is nope + rope wide
+            object.__setattr__(self, "head_dim", self.qk_nope_head_dim + self.qk_rope_head_dim)
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -188,6 +193,8 @@ class ModelConfig:
             raise ValueError(f"RoPE needs an even head dim, got {self.d_head} (head_dim, or d_model / num_heads)")
         if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) or not self.norm_eps > 0:
             raise ValueError(f"ModelConfig.norm_eps must be a positive number, got {self.norm_eps!r}")
+        if not isinstance(self.router_aux_loss, bool):
+            raise ValueError(f"ModelConfig.router_aux_loss must be a bool, got {self.router_aux_loss!r}")
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"ModelConfig.tie_embeddings must be a bool, got {self.tie_embeddings!r}")
         if self.rope_scaling is not None:

@@ -17,7 +17,7 @@ from torch import nn
 from .cache import Documents, KVCache, PagedKVCache, RecurrentCache
 from .config import ModelConfig
 from .functional import load_balancing_loss
-from .sampling import sample_next
+from .sampling import constrain_logits, sample_next
 
 logger = logging.getLogger("tritonlm")
 
@@ -313,7 +313,9 @@ class TransformerLM(nn.Module):
         DDP/FSDP/``torch.compile`` wrappers see the whole computation.
 
         A mixture-of-experts model adds ``router_aux_loss_coef`` times the load-balancing loss of this forward
-        (:meth:`router_aux_loss`) when ``aux_loss`` is True, or when it is None and the model is training.
+        (:meth:`router_aux_loss`) when ``aux_loss`` is True, or when it is None, the model is training and its config
+        says so (``ModelConfig.router_aux_loss``: a Hugging Face checkpoint's ``output_router_logits``, which published
+        configs ship false; a model built here adds it). ``aux_loss=False`` never adds it.
         """
         return self(token_ids, document_ids=document_ids, targets=targets, ignore_index=ignore_index,
                     label_smoothing=label_smoothing, z_loss=z_loss, aux_loss=aux_loss)
@@ -351,7 +353,7 @@ class TransformerLM(nn.Module):
         loss = components(self.backend).lm_head_loss(
             self.lm_head, hidden, targets, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
             check_targets=self.token_embeddings.check_ids, softcap=self.config.final_softcap)
-        with_aux = self.training if aux_loss is None else aux_loss
+        with_aux = (self.training and self.config.router_aux_loss) if aux_loss is None else aux_loss
         if with_aux and self.config.num_experts and self.config.router_aux_loss_coef:
             loss = loss + self.config.router_aux_loss_coef * self.router_aux_loss()
         return loss
@@ -409,7 +411,9 @@ class TransformerLM(nn.Module):
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, eos_id: int | list[int] | None = None,
                  generator: torch.Generator | None = None,
-                 use_cache: bool = True, allowed: torch.Tensor | None = None, page_size: int = 16):
+                 use_cache: bool = True, allowed: torch.Tensor | None = None, page_size: int = 16, *,
+                 repetition_penalty: float | None = None, no_repeat_ngram_size: int | None = None,
+                 min_new_tokens: int = 0):
         """Sample up to ``max_new_tokens`` after ``prompt_ids`` (``[seq]`` or ``[batch, seq]``; or a list of prompts
         of different lengths, see below).
 
@@ -418,31 +422,44 @@ class TransformerLM(nn.Module):
         ids any of which ends a row, as Hugging Face configs give them; a finished row repeats it). Returns the
         prompt followed by the new tokens, same rank as the prompt. With ``use_cache`` each new token costs
         one incremental forward against a KV cache, sized for prompt + ``max_new_tokens`` (never the whole
-        context up front); when the context fills up, the cache is rebuilt from the most recent three quarters of
-        the context. ``allowed`` (bool ``[vocab]``): only ids marked True are ever sampled, e.g. the ones a tokenizer can
-        decode when the model's vocabulary is padded past it (as Hugging Face checkpoints often are).
+        context up front). Prompt + ``max_new_tokens`` must fit ``context_length`` (a one-line error otherwise: the
+        positions past it are ones the model never saw). ``allowed`` (bool ``[vocab]``): only ids marked True are
+        ever sampled, e.g. the ones a tokenizer can decode when the model's vocabulary is padded past it (as Hugging
+        Face checkpoints often are). ``repetition_penalty``, ``no_repeat_ngram_size`` and ``min_new_tokens`` (which
+        bans ``eos_id`` until that many tokens are new) are transformers' logits processors of the same names
+        (:func:`~tritonlm.modules.sampling.constrain_logits`), applied before the temperature.
 
         Ragged batches: ``prompt_ids`` a list of 1-D prompts (lists or tensors) of any lengths returns a list of
         1-D tensors, each prompt followed by its own continuation. Their keys and values live in one paged KV cache
         (:class:`~tritonlm.modules.cache.PagedKVCache`, ``page_size`` positions per block): each prompt is prefilled on
         its own, then every unfinished sequence advances one token per batched step, each attending only to its own
         positions. A sequence stops on its own (``eos_id`` or ``max_new_tokens``) and frees its blocks at once.
-        Greedy decoding gives each prompt exactly the tokens it gets alone. Prompt + ``max_new_tokens`` must fit the
-        context (no sliding window here).
+        Greedy decoding gives each prompt exactly the tokens it gets alone.
         """
+        if repetition_penalty is not None and not repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")
+        if no_repeat_ngram_size is not None and (isinstance(no_repeat_ngram_size, bool) or no_repeat_ngram_size < 0):
+            raise ValueError(f"no_repeat_ngram_size must be >= 0, got {no_repeat_ngram_size}")
+        if min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be >= 0, got {min_new_tokens}")
+        eos_list = [] if eos_id is None else [int(e) for e in torch.as_tensor(eos_id).reshape(-1).tolist()]
+        constraints = dict(repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
+                           min_new_tokens=min_new_tokens, eos_ids=eos_list)
+        constrained = bool(repetition_penalty not in (None, 1.0) or no_repeat_ngram_size or min_new_tokens)
         if isinstance(prompt_ids, (list, tuple)) and prompt_ids and not isinstance(prompt_ids[0], int):
             return self._generate_ragged(prompt_ids, max_new_tokens, temperature, top_k, top_p, eos_id, generator,
-                                         allowed, page_size)
+                                         allowed, page_size, constraints if constrained else None)
         ids = torch.as_tensor(prompt_ids, device=self.lm_head.weight.device)
         squeeze = ids.dim() == 1
         if squeeze:
             ids = ids.unsqueeze(0)
         if ids.dim() != 2 or ids.shape[-1] == 0:
             raise ValueError(f"prompt_ids must be a non-empty [seq] or [batch, seq], got {tuple(ids.shape)}")
-        if ids.shape[-1] > self.context_length:
-            raise ValueError(f"the prompt has {ids.shape[-1]} tokens: more than context_length {self.context_length}")
         if max_new_tokens < 0:
             raise ValueError("max_new_tokens must be >= 0")
+        if ids.shape[-1] + max_new_tokens > self.context_length:
+            raise ValueError(f"the prompt's {ids.shape[-1]} tokens + max_new_tokens {max_new_tokens} exceed "
+                             f"context_length {self.context_length}")
         if allowed is not None:
             allowed = torch.as_tensor(allowed, dtype=torch.bool, device=ids.device)
             if allowed.shape != (self.vocab_size,) or not bool(allowed.any()):
@@ -453,19 +470,18 @@ class TransformerLM(nn.Module):
         try:
             done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
             eos = None if eos_id is None else torch.as_tensor(eos_id, device=ids.device).reshape(-1)
-            caches, pending = None, None
-            for _ in range(max_new_tokens):
+            caches, pending = None, ids
+            for step in range(max_new_tokens):
                 if not use_cache:
-                    logits = self(ids[:, -self.context_length:])[:, -1]
+                    logits = self(ids)[:, -1]
                 else:
-                    if caches is None or caches[0].length + pending.shape[-1] > self.context_length:
-                        # (re)fill the cache from the most recent tokens
-                        keep = self.context_length if caches is None else max(1, 3 * self.context_length // 4)
-                        pending = ids[:, -keep:]
-                        caches = self.new_kv_caches(reserve=pending.shape[-1] + max_new_tokens)
+                    if caches is None:
+                        caches = self.new_kv_caches(reserve=ids.shape[-1] + max_new_tokens)
                     logits = self(pending, kv_caches=caches)[:, -1]
                 if allowed is not None:
                     logits = logits.masked_fill(~allowed, float("-inf"))
+                if constrained:
+                    logits = constrain_logits(logits, ids, [step] * ids.shape[0], **constraints)
                 nxt = sample_next(logits, temperature, top_k, top_p, generator)
                 if eos is not None:
                     nxt = torch.where(done, eos[0], nxt)
@@ -479,7 +495,7 @@ class TransformerLM(nn.Module):
         return ids[0] if squeeze else ids
 
     def _generate_ragged(self, prompts, max_new_tokens: int, temperature: float, top_k, top_p, eos_id, generator,
-                         allowed, page_size: int) -> list[torch.Tensor]:
+                         allowed, page_size: int, constraints: dict | None = None) -> list[torch.Tensor]:
         """:meth:`generate` for a list of prompts of different lengths, through a paged KV cache (its docstring)."""
         device = self.lm_head.weight.device
         prompts = [torch.as_tensor(p, device=device).long() for p in prompts]
@@ -487,7 +503,7 @@ class TransformerLM(nn.Module):
             if p.dim() != 1 or p.numel() == 0:
                 raise ValueError(f"prompt {i} must be a non-empty 1-D sequence of ids, got shape {tuple(p.shape)}")
             if p.numel() + max_new_tokens > self.context_length:
-                raise ValueError(f"prompt {i}: {p.numel()} tokens + max_new_tokens {max_new_tokens} exceed "
+                raise ValueError(f"prompt {i}'s {p.numel()} tokens + max_new_tokens {max_new_tokens} exceed "
                                  f"context_length {self.context_length}")
         if max_new_tokens < 0:
             raise ValueError("max_new_tokens must be >= 0")
@@ -508,6 +524,9 @@ class TransformerLM(nn.Module):
             cache.commit()
             if allowed is not None:
                 logits = logits.masked_fill(~allowed, float("-inf"))
+            if constraints is not None:  # (each row's tokens so far: its prompt and what it generated)
+                logits = constrain_logits(logits, [outputs[i] for i in seq_ids],
+                                          [len(outputs[i]) - len(prompts[i]) for i in seq_ids], **constraints)
             return sample_next(logits, temperature, top_k, top_p, generator).tolist()
 
         was_training = self.training

@@ -136,8 +136,10 @@ def cmd_generate(args) -> int:
 
     from ._base import TrainError
     from .generate import (
+        CONSTRAINTS,
         DEFAULTS,
         continuation_text,
+        encoded_length,
         end_ids,
         generate_batch_ids,
         generate_ids,
@@ -175,17 +177,30 @@ def cmd_generate(args) -> int:
             print(mismatch, file=sys.stderr)
         settings, source = generation_settings(model, **given)
         check(settings)
+        longest = max(encoded_length(tokenizer, p) for p in (prompts or [args.prompt]))
+        room = model.context_length - longest
+        if settings["max_new_tokens"] > room:
+            if args.max_new_tokens is not None:  # (asked for explicitly: the model cannot)
+                raise CLIError(f"--max-new-tokens {args.max_new_tokens}: the prompt's {longest} tokens + "
+                               f"{args.max_new_tokens} exceed the model's context_length {model.context_length}")
+            print(f"generation: max_new_tokens {settings['max_new_tokens']} capped to {max(room, 0)}: the prompt's "
+                  f"{longest} tokens fill the rest of the model's context_length {model.context_length}",
+                  file=sys.stderr)
+            settings["max_new_tokens"] = max(room, 0)
         sampling = ("greedy" if settings["temperature"] == 0 else f"temperature {settings['temperature']:g}"
                     + (f", top-k {settings['top_k']}" if settings["top_k"] else "")
                     + (f", top-p {settings['top_p']:g}" if settings["top_p"] is not None else ""))
+        constraints = {k: settings[k] for k in CONSTRAINTS if settings[k] != CONSTRAINTS[k]}
+        sampling += "".join(f", {k.replace('_', ' ')} {v:g}" for k, v in constraints.items())
         print(f"generation: up to {settings['max_new_tokens']} new tokens, {sampling}, stopping at "
               f"{end_ids(model, tokenizer)} ({source})", file=sys.stderr)
         t0 = time.perf_counter()
         options = [settings[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p")]
         if prompts is not None:
-            batch = generate_batch_ids(model, tokenizer, prompts, *options, args.seed, page_size=args.page_size)
+            batch = generate_batch_ids(model, tokenizer, prompts, *options, args.seed, page_size=args.page_size,
+                                       **constraints)
         else:
-            new_ids = generate_ids(model, tokenizer, args.prompt, *options, args.seed)
+            new_ids = generate_ids(model, tokenizer, args.prompt, *options, args.seed, **constraints)
     except (TrainError, ValueError) as e:
         raise CLIError(str(e)) from None
     dt = time.perf_counter() - t0

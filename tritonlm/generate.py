@@ -15,14 +15,15 @@ from .modules.sampling import sample_next
 from .tokenizer import load_tokenizer
 
 __all__ = ["sample_next", "generate_text", "generate_ids", "generate_batch_ids", "continuation_text", "vocab_mismatch",
-           "is_hf_model_dir", "load_for_generation", "end_ids", "generation_settings"]
+           "is_hf_model_dir", "load_for_generation", "end_ids", "generation_settings", "encoded_length", "CONSTRAINTS"]
 
 
 def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 1.0,
-                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> str:
+                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                  **constraints) -> str:
     """Continue ``prompt``; stops at ``<|endoftext|>``. Returns the new text only."""
     return continuation_text(tokenizer, prompt, generate_ids(model, tokenizer, prompt, max_new_tokens, temperature,
-                                                             top_k, top_p, seed))
+                                                             top_k, top_p, seed, **constraints))
 
 
 def continuation_text(tokenizer, prompt: str, new_ids: list[int]) -> str:
@@ -35,17 +36,24 @@ def continuation_text(tokenizer, prompt: str, new_ids: list[int]) -> str:
 
 
 def generate_ids(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> list[int]:
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                 **constraints) -> list[int]:
     """The new token ids after ``prompt`` (up to, not including, ``<|endoftext|>``). The prompt is encoded as
     transformers would (a tokenizer.json's post-processor adds its BOS), and only ids the tokenizer can decode
-    are sampled (see :func:`vocab_mismatch`)."""
+    are sampled (see :func:`vocab_mismatch`). ``constraints``: ``repetition_penalty``, ``no_repeat_ngram_size``,
+    ``min_new_tokens`` (``TransformerLM.generate``)."""
     return generate_batch_ids(model, tokenizer, [prompt], max_new_tokens, temperature, top_k, top_p, seed,
-                              batched=False)[0]
+                              batched=False, **constraints)[0]
+
+
+def encoded_length(tokenizer, prompt: str) -> int:
+    """How many tokens ``prompt`` is as generation encodes it."""
+    return len(tokenizer.encode(prompt, add_special_tokens=True))
 
 
 def generate_batch_ids(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
                        top_k: int | None = None, top_p: float | None = None, seed: int | None = None, *,
-                       batched: bool = True, page_size: int = 16) -> list[list[int]]:
+                       batched: bool = True, page_size: int = 16, **constraints) -> list[list[int]]:
     """:func:`generate_ids` for several prompts at once: with ``batched`` they decode together through a paged KV
     cache (``TransformerLM.generate`` on a list of prompts of different lengths), each stopping on its own."""
     encoded = []
@@ -67,7 +75,7 @@ def generate_batch_ids(model, tokenizer, prompts: list[str], max_new_tokens: int
     allowed = torch.zeros(model.vocab_size, dtype=torch.bool)
     allowed[[i for i in tokenizer.vocab if 0 <= i < model.vocab_size]] = True
     options = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos, generator=gen,
-                   allowed=None if bool(allowed.all()) else allowed)
+                   allowed=None if bool(allowed.all()) else allowed, **constraints)
     if batched:
         outs = model.generate([torch.tensor(ids, device=device) for ids in encoded], max_new_tokens,
                               page_size=page_size, **options)
@@ -96,18 +104,41 @@ def end_ids(model, tokenizer) -> list[int] | int | None:
 HF_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
 #: tritonlm generate's own defaults (a run of tritonlm's, or an HF directory without generation_config.json)
 DEFAULTS = {"max_new_tokens": 200, "temperature": 0.8, "top_k": None, "top_p": None}
+#: the logits processors a generation_config.json may set that generation applies as transformers does (greedy or
+#: sampled alike), with the values that leave decoding as it is
+CONSTRAINTS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0}
+#: generation_config.json keys that change what transformers' generate decodes and generation does not implement,
+#: with their neutral values: any other value is a one-line error naming the key
+UNSUPPORTED = {"num_beams": 1, "min_length": 0, "num_beam_groups": 1, "penalty_alpha": None, "typical_p": 1.0, "epsilon_cutoff": 0.0,
+               "eta_cutoff": 0.0, "min_p": None, "top_h": None, "bad_words_ids": None, "force_words_ids": None,
+               "suppress_tokens": None, "begin_suppress_tokens": None, "forced_bos_token_id": None,
+               "forced_eos_token_id": None, "sequence_bias": None, "exponential_decay_length_penalty": None,
+               "guidance_scale": None, "renormalize_logits": False, "encoder_repetition_penalty": 1.0,
+               "encoder_no_repeat_ngram_size": 0, "no_repeat_ngram_size_per_batch": None, "watermarking_config": None,
+               "dola_layers": None, "assistant_model": None, "prompt_lookup_num_tokens": None}
 
 
 def generation_settings(model, **given) -> tuple[dict, str]:
     """``(settings, source)``: ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p`` from ``given`` (the values a
     user passed; None: not passed), else the model's ``generation_config.json`` (``do_sample`` false: greedy;
     true: its temperature / top-k / top-p, transformers' defaults where it has none; its ``max_new_tokens``),
-    else :data:`DEFAULTS`. ``source`` says which in one phrase."""
+    else :data:`DEFAULTS`. ``source`` says which in one phrase. The logits processors of :data:`CONSTRAINTS`
+    (``repetition_penalty``, ``no_repeat_ngram_size``, ``min_new_tokens``) come from generation_config.json as
+    well; a key of :data:`UNSUPPORTED` set to anything but its neutral value is a one-line ``ValueError`` naming
+    it."""
     config = getattr(model, "generation_config", None)
     if config is None:
-        base, source = dict(DEFAULTS), "defaults"
+        base, source = {**DEFAULTS, **CONSTRAINTS}, "defaults"
     else:
-        base, source = dict(DEFAULTS), "generation_config.json"
+        base, source = {**DEFAULTS, **CONSTRAINTS}, "generation_config.json"
+        for key, neutral in UNSUPPORTED.items():
+            if config.get(key) not in (neutral, None, [], {}):
+                raise ValueError(f"generation_config.json {key}={config[key]!r} is not supported: tritonlm generate "
+                                 "does not decode that way (pass --temperature / --top-k / --top-p, or remove it)")
+        for key in CONSTRAINTS:
+            if config.get(key) is not None:
+                base[key] = config[key]
+
         if config.get("max_new_tokens") is not None:
             base["max_new_tokens"] = int(config["max_new_tokens"])
         if config.get("do_sample"):

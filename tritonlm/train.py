@@ -46,7 +46,7 @@ from .data import (
     sample_starts,
     unigram_entropy,
 )
-from .generate import generate_text
+from .generate import encoded_length, generate_text
 from .modules import TransformerLM
 from .optim import AdamW, clip_grad_norm_, cosine_lr_schedule
 from .tokenizer import SPECIAL_TOKENS, find_tokenizer_files
@@ -122,6 +122,11 @@ class TrainConfig:
                                         check=lambda v: all(_finite(b) and 0 <= b < 1 for b in v), rule="in [0, 1)")
     grad_clip: float = option(1.0, "global gradient L2 norm cap (default 1.0)", check=_positive,
                               rule="a positive L2 norm")
+    router_aux_loss: str = option("config", "mixture of experts: add the load-balancing loss to the training loss? "
+                                            "config (default): as the model's config says (an --init-from "
+                                            "checkpoint's output_router_logits, false in published configs, as "
+                                            "transformers follows it; a model built here: on), on, off",
+                                  choices=["config", "on", "off"])
     document_mask: bool = option(False, "packed documents: attention only within each document (split at "
                                         "<|endoftext|>), positions restarting per document (fused backend: varlen "
                                         "attention)")
@@ -310,6 +315,8 @@ def _setup(cfg: TrainConfig, say) -> _Run:
     run = _Run(cfg, say, device, dist_info, out)
     try:
         run.mcfg = (_hf_model_config(cfg) if cfg.init_from else ModelConfig.preset(cfg.preset, **cfg.model_overrides))
+        if cfg.router_aux_loss != "config":
+            run.mcfg = run.mcfg.replace(router_aux_loss=cfg.router_aux_loss == "on")
     except (ValueError, TypeError) as e:
         raise TrainError(str(e)) from None
     if cfg.init_from and not cfg.tokenizer:
@@ -322,6 +329,20 @@ def _setup(cfg: TrainConfig, say) -> _Run:
 
 #: Training context when --init-from gives no --context-length (checkpoints allow far longer ones).
 INIT_FROM_CONTEXT = 1024
+
+
+def _aux_loss_phrase(cfg: TrainConfig, mcfg: ModelConfig) -> str:
+    """Whether the training loss adds the load-balancing term, and why, for the model line of the log."""
+    on = mcfg.router_aux_loss and mcfg.router_aux_loss_coef > 0
+    if cfg.router_aux_loss != "config":
+        why = f"--router-aux-loss {cfg.router_aux_loss}"
+    elif cfg.init_from:
+        why = f"the checkpoint's output_router_logits is {'true' if mcfg.router_aux_loss else 'false'}"
+    else:
+        why = "a model built here"
+    if on:
+        return f"load-balancing loss x {mcfg.router_aux_loss_coef:g} in the training loss ({why})"
+    return f"no load-balancing loss ({why}; coefficient {mcfg.router_aux_loss_coef:g})"
 
 
 def _hf_model_config(cfg: TrainConfig) -> ModelConfig:
@@ -409,7 +430,7 @@ def _model_stage(run: _Run) -> None:
         run.say(f"model: initialised from {cfg.init_from} (context {mcfg.context_length} for training)")
     what = f"{cfg.init_from} (HF)" if cfg.init_from else f"preset {cfg.preset}"
     moe = (f" ({accounting.param_count(mcfg, active=True) / 1e6:.2f}M active per token: {mcfg.num_experts} experts, "
-           f"{mcfg.experts_per_token} per token, aux loss x {mcfg.router_aux_loss_coef:g})" if mcfg.num_experts else "")
+           f"{mcfg.experts_per_token} per token, {_aux_loss_phrase(cfg, mcfg)})" if mcfg.num_experts else "")
     run.say(f"model: {what}, {accounting.param_count(mcfg) / 1e6:.2f}M parameters{moe}, "
             f"backend {model.backend} on {device}" + (f" ({dist_info.world} ranks)" if dist_info.world > 1 else ""))
     run.generator = torch.Generator().manual_seed(cfg.seed)
@@ -661,8 +682,13 @@ def _finish(run: _Run, val_loss: float) -> dict:
         run.say(f"saved: checkpoint {run.ckpt_path}, log {run.log_path}" + (f", plot {plot}" if plot else
                 " (pip install 'tritonlm[plot]' for a loss-curve PNG)"))
         if run.tokenizer is not None and cfg.sample_tokens > 0:
-            sample = generate_text(run.model, run.tokenizer, cfg.sample_prompt, cfg.sample_tokens, temperature=0.8,
-                                   top_k=40, seed=cfg.seed)
+            # (no further than the context the model was trained on: prompt + sample must fit it)
+            room = run.mcfg.context_length - encoded_length(run.tokenizer, cfg.sample_prompt)
+            if room < cfg.sample_tokens:
+                run.say(f"sample: --sample-tokens {cfg.sample_tokens} capped to {max(room, 0)} by the context length "
+                        f"{run.mcfg.context_length}")
+            sample = generate_text(run.model, run.tokenizer, cfg.sample_prompt, max(min(cfg.sample_tokens, room), 0),
+                                   temperature=0.8, top_k=40, seed=cfg.seed)
             summary["sample"] = sample
             run.say(f"sample (prompt {cfg.sample_prompt!r}, temperature 0.8, top-k 40):\n{'-' * 60}\n"
                     f"{cfg.sample_prompt}{sample}\n{'-' * 60}")

@@ -227,8 +227,16 @@ def test_mixtral_accounting_training_and_generation(mixtral_dir, tmp_path, capsy
     assert main(["train", "--init-from", str(path), "--data", str(data), "--context-length", "32", "--max-steps",
                  "2", "--batch-size", "2", "--lr", "1e-9", "--eval-every", "0", "--eval-batches", "1", "--log-every",
                  "1", "--sample-tokens", "0", "--out", str(out), "--device", "cpu", "--no-progress"]) == 0
+    # the checkpoint's output_router_logits (false, as published configs ship it): no load-balancing term, as
+    # transformers trains it; the log says so, and --router-aux-loss on adds it
+    assert "no load-balancing loss (the checkpoint's output_router_logits is false" in capsys.readouterr().out
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert all("aux_loss" in e and "expert_load_max" in e for e in log if "loss" in e)
+    assert main(["train", "--init-from", str(path), "--data", str(data), "--context-length", "32", "--max-steps",
+                 "1", "--batch-size", "2", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0",
+                 "--out", str(tmp_path / "run-aux"), "--device", "cpu", "--no-progress", "--router-aux-loss",
+                 "on"]) == 0
+    assert "load-balancing loss x 0.001 in the training loss (--router-aux-loss on)" in capsys.readouterr().out
     ours, tokenizer = load_for_generation(out, "cpu", "reference")
     assert ours.config.num_experts == 4
     ids = transformers.AutoTokenizer.from_pretrained(path)("The cat", return_tensors="pt").input_ids

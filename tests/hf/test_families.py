@@ -15,7 +15,9 @@ from tritonlm import ModelConfig, TransformerLM
 from helpers import DEVICE, hf_grads, hf_round_trip, transformers_or_skip
 
 BASE = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-            vocab_size=120, max_position_embeddings=64, rms_norm_eps=1e-6, router_aux_loss_coef=0.02)
+            vocab_size=120, max_position_embeddings=64, rms_norm_eps=1e-6)
+#: the MoE families' load-balancing term, on (published configs ship output_router_logits false: both then add none)
+MOE_AUX = dict(router_aux_loss_coef=0.02, output_router_logits=True)
 FAMILIES = {
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16)),
     # sandwich norms, softcaps that bend (scores ~ +-5, logits ~ +-3), a query scale other than 1/sqrt(head_dim),
@@ -81,8 +83,7 @@ def _model(kind, seed=0):
     transformers = transformers_or_skip()
     config_class, model_class, extra = FAMILIES[kind]
     torch.manual_seed(seed)
-    cfg = getattr(transformers, config_class)(**{k: v for k, v in BASE.items() if kind.endswith("moe")
-                                                 or k != "router_aux_loss_coef"}, **extra)
+    cfg = getattr(transformers, config_class)(**BASE, **(MOE_AUX if kind.endswith("moe") else {}), **extra)
     model = getattr(transformers, model_class)(cfg)
     with torch.no_grad():  # biases and norm weights start at 0 / 1: make them matter
         for name, p in model.named_parameters():

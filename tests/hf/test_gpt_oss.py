@@ -17,7 +17,7 @@ from helpers import DEVICE, hf_grads, hf_round_trip, transformers_or_skip
 
 SIZES = dict(hidden_size=32, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
              num_hidden_layers=2, vocab_size=100, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
-             max_position_embeddings=64, swiglu_limit=1.0, router_aux_loss_coef=0.02, pad_token_id=0,
+             max_position_embeddings=64, swiglu_limit=1.0, router_aux_loss_coef=0.02, output_router_logits=True, pad_token_id=0,
              rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                               "truncate": False, "original_max_position_embeddings": 16, "rope_theta": 1000.0})
 
@@ -155,7 +155,7 @@ def test_bf16_no_further_from_fp32_than_transformers(saved):
     _bf16_no_further((l32, l16.float(), lp.float()), g32, g16, gp)
     ours = hf.from_pretrained(path, backend="reference", device=DEVICE, dtype=torch.bfloat16).train()
     targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
-    loss = ours.loss(ids, targets, aux_loss=False)
+    loss = ours.loss(ids, targets)  # (training, output_router_logits true: + the load-balancing term, as theirs)
     loss.backward()
     ours_grads = {n: g.float() for n, g in hf_grads(ours).items()}
     _bf16_no_further((l32, l16.float(), loss.detach().float()), g32, g16, ours_grads)

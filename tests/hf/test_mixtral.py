@@ -16,7 +16,7 @@ from helpers import DEVICE, hf_grads, hf_round_trip, transformers_or_skip
 
 SIZES = dict(hidden_size=32, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
              vocab_size=120, max_position_embeddings=64, num_local_experts=5, num_experts_per_tok=2,
-             rms_norm_eps=1e-6, router_aux_loss_coef=0.02)
+             rms_norm_eps=1e-6, router_aux_loss_coef=0.02, output_router_logits=True)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_mixtral_from_pretrained_matches_transformers(mixtral_dir, backend):
     loss = ours.loss(ids, targets)  # training: + coef x load-balancing loss, as transformers adds it
     torch.testing.assert_close(ours.router_aux_loss(), expected.aux_loss, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(loss, expected.loss, atol=2e-5, rtol=1e-5)
-    plain = theirs(ids, labels=ids).loss  # without router logits transformers leaves the term out
+    plain = theirs(ids, labels=ids, output_router_logits=False).loss  # without router logits: no term
     torch.testing.assert_close(ours.loss(ids, targets, aux_loss=False), plain, atol=2e-5, rtol=1e-5)
     expected.loss.backward()
     loss.backward()

@@ -214,7 +214,8 @@ def test_vision_language_directory_loads_its_language_model(tmp_path, caplog):
     save_file(state, str(tmp_path / "vl" / "model.safetensors"), metadata={"format": "pt"})
     with caplog.at_level(logging.INFO, logger="tritonlm"):
         ours = hf.from_pretrained(tmp_path / "vl", backend="triton", device=DEVICE, dtype=torch.float32)
-    assert "vision tower" in caplog.text and "mtp." in caplog.text
+    assert "vision tower" in caplog.text and "kept aside" in caplog.text
+    assert "mtp.fc.weight" in ours.hf_wrapper["tensors"]  # (with the vision tower: written back by a save)
     assert ours.config.model_type == "qwen3_5_text"
     ids = hf_ids()
     with torch.no_grad():
@@ -226,7 +227,19 @@ def test_vision_language_directory_loads_its_language_model(tmp_path, caplog):
         expected, got = theirs(input_ids=ids, labels=ids), patched(input_ids=ids, labels=ids)
     torch.testing.assert_close(got.logits, expected.logits, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(got.loss, expected.loss, atol=2e-5, rtol=1e-5)
-    hf.save_pretrained(ours, tmp_path / "text")
+    # saved, it is the same vision-language directory again (issue 43): transformers' VL class, vision tower unchanged
+    hf.save_pretrained(ours, tmp_path / "again")
+    written = json.loads((tmp_path / "again" / "config.json").read_text())
+    published = json.loads((tmp_path / "vl" / "config.json").read_text())
+    assert written["model_type"] == "qwen3_5" and written["vision_config"] == published["vision_config"]
+    again = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path / "again").to(DEVICE).eval()
+    originals = theirs.state_dict()
+    assert all(torch.equal(t, originals[name]) for name, t in again.state_dict().items() if ".visual." in name)
+    assert "mtp.fc.weight" in load_file(str(tmp_path / "again" / "model.safetensors"))
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=ids).logits, theirs(input_ids=ids).logits, atol=2e-5, rtol=1e-4)
+    # text_only: the language model alone, as its text family
+    hf.save_pretrained(ours, tmp_path / "text", text_only=True)
     assert json.loads((tmp_path / "text" / "config.json").read_text())["model_type"] == "qwen3_5_text"
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "text").to(DEVICE).eval()
     with torch.no_grad():

@@ -289,16 +289,19 @@ def test_dtype_behaviour_bf16_model():
 def test_generate_greedy_matches_argmax_loop_and_eos():
     model = TransformerLM(vocab_size=30, context_length=10, d_model=16, num_layers=1, num_heads=2, d_ff=32)
     prompt = torch.tensor([1, 2, 3])
-    out = model.generate(prompt, 12, temperature=0)  # runs past the context: the cache is rebuilt
+    out = model.generate(prompt, 7, temperature=0)  # the prompt and its continuation fill the context
     ids = prompt.clone()
-    for _ in range(12):
-        nxt = model(ids[-10:][None])[0, -1].argmax()
+    for _ in range(7):
+        nxt = model(ids[None])[0, -1].argmax()
         ids = torch.cat([ids, nxt[None]])
-    assert out.tolist()[:8] == ids.tolist()[:8]  # exact while the window is the whole context
-    assert len(out) == 15
+    assert out.tolist() == ids.tolist()
     eos = int(out[3])
-    stopped = model.generate(prompt, 12, temperature=0, eos_id=eos)
+    stopped = model.generate(prompt, 7, temperature=0, eos_id=eos)
     assert stopped.tolist() == out.tolist()[:4]
+    # past the context: refused in one line, as the ragged path refuses it (positions the model never saw)
+    for prompts in (prompt, [prompt]):
+        with pytest.raises(ValueError, match=r"3 tokens \+ max_new_tokens 8 exceed context_length 10"):
+            model.generate(prompts, 8, temperature=0)
 
 
 def test_generated_positions_skip_host_checks_user_positions_do_not():

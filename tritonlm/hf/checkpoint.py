@@ -29,12 +29,16 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
-from .family import ConfigReader, Family, canonical_scaling, families, family
+from .family import COMMON_KEYS, IDENTITY_KEYS, ConfigReader, Family, canonical_scaling, families, family
 
 logger = logging.getLogger("tritonlm")
 
-#: config.json fields copied through a load/save round trip untouched (token ids, generation defaults)
+#: config.json fields copied through a load/save round trip untouched (token ids, generation defaults); besides
+#: these, every key the family accepted without reading it (:data:`~tritonlm.hf.family.COMMON_KEYS` but the
+#: file's identity, the family's ``harmless`` and ``ignored`` keys) is written back as it was
 PASSTHROUGH_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "initializer_range")
+#: the keys of a vision-language config.json that name its language model's tokens (kept through a save)
+_WRAPPER_TOKEN_KEYS = ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -97,24 +101,40 @@ def text_config_of(cfg: dict) -> tuple[dict, bool]:
         raise ValueError(f"model_type {record.model_type!r}: config.json lacks its text_config")
     text_family = family(record.text_of)
     out = {k: v for k, v in text.items() if k != "model_type"}
-    for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "dtype", "torch_dtype"):
-        if key in cfg and key not in out:
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "dtype", "torch_dtype"):
+        if key in cfg and out.get(key) is None:
             out[key] = cfg[key]
+    if "tie_word_embeddings" in cfg:  # (the vision-language class ties by its own flag, whatever text_config says:
+        out["tie_word_embeddings"] = cfg["tie_word_embeddings"]  # transformers 5 writes it only at the top level)
     out.update(model_type=text_family.model_type, architectures=[text_family.architecture])
     return out, True
 
 
-def _language_model_state(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A vision-language checkpoint's language model in the text family's names (``model.language_model.X`` ->
-    ``model.X``); the vision tower's tensors are left out, said in the log."""
-    prefix = "model.language_model."
-    vision = [k for k in hf_state if not k.startswith(prefix) and k != "lm_head.weight" and not k.startswith("mtp.")]
-    if vision:
-        logger.info("loading the language model only: %d tensors of the vision tower (%s, ...) are left out",
-                    len(vision), vision[0])
-    out = {("model." + k[len(prefix):]) if k.startswith(prefix) else k: v for k, v in hf_state.items()
-           if k.startswith(prefix) or k == "lm_head.weight" or k.startswith("mtp.")}
-    return out
+_LANGUAGE_MODEL = "model.language_model."
+
+
+def _language_model_state(hf_state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(language model, the rest)``: a vision-language checkpoint's language model in the text family's names
+    (``model.language_model.X`` -> ``model.X``, ``lm_head.weight``), and every other tensor (the vision tower, the
+    multi-token-prediction head) as it is in the file, kept aside for :func:`save_pretrained` (said in the log)."""
+    language = {("model." + k[len(_LANGUAGE_MODEL):]) if k.startswith(_LANGUAGE_MODEL) else k: v
+                for k, v in hf_state.items() if k.startswith(_LANGUAGE_MODEL) or k == "lm_head.weight"}
+    rest = {k: v for k, v in hf_state.items() if not k.startswith(_LANGUAGE_MODEL) and k != "lm_head.weight"}
+    if rest:
+        logger.info("loading the language model; %d other tensors (%s, ...: the vision tower) are kept aside "
+                    "unchanged for save_pretrained", len(rest), next(iter(rest)))
+    return language, rest
+
+
+def _refuse_quantized(cfg: dict) -> None:
+    """A quantised checkpoint (``quantization_config`` at the top level, or in a vision-language ``text_config``)
+    is a one-line error naming its method: tritonlm reads unquantised weights only."""
+    for where in (cfg, cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}):
+        quant = where.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+            raise ValueError(f"quantization_config (quant_method={method!r}) is not supported: tritonlm loads "
+                             "unquantised weights (dequantise the checkpoint first)")
 
 
 def model_config_from_hf(cfg: dict, context_length: int | None = None) -> ModelConfig:
@@ -124,13 +144,9 @@ def model_config_from_hf(cfg: dict, context_length: int | None = None) -> ModelC
     accounted for by the family (see :mod:`tritonlm.hf.family`): anything the model cannot represent is a
     ``ValueError`` naming the key and value, before any weight is read.
     """
+    _refuse_quantized(cfg)
     cfg, _ = text_config_of(cfg)
     record = family_of(cfg)
-    quant = cfg.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-        raise ValueError(f"quantization_config (quant_method={method!r}) is not supported: tritonlm loads "
-                         "unquantised weights (dequantise the checkpoint first)")
     reader = ConfigReader(cfg, record)
     if "pruned_heads" in cfg:  # (transformers 4.x writes an empty dict)
         reader.require("pruned_heads", lambda v: not v, "heads pruned from the attention")
@@ -166,7 +182,8 @@ def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype, extra: dict | Non
     lose is a one-line error naming it."""
     record = family(cfg.model_type)
     extra = extra or {}
-    out = {k: v for k, v in extra.items() if k in PASSTHROUGH_FIELDS}
+    accepted = COMMON_KEYS | set(record.harmless) | set(record.ignored) | set(PASSTHROUGH_FIELDS)
+    out = {k: v for k, v in extra.items() if k in accepted and k not in IDENTITY_KEYS}
     out.update(record.to_hf(cfg))
     # the checkpoint's own positions where the model was only loaded for a shorter context
     if isinstance(extra.get("max_position_embeddings"), int) and extra["max_position_embeddings"] > cfg.context_length:
@@ -502,15 +519,17 @@ def state_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
     return {k: v.detach().contiguous() for k, v in _fuse(out, cfg).items()}
 
 
-def load_hf_weights(path, cfg: ModelConfig, language_model: bool = False
+def load_hf_weights(path, cfg: ModelConfig, language_model: bool = False, aside: dict | None = None
                     ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """``(cfg, state, hf_state)``: a directory's tensors in this library's names for ``cfg`` (``language_model``: a
-    vision-language directory's, :func:`text_config_of`). A file that holds its own ``lm_head.weight`` beside
-    ``tie_word_embeddings: true`` loads as transformers loads it, both matrices kept (``cfg`` comes back untied,
-    said in the log)."""
+    vision-language directory's, :func:`text_config_of`, whose other tensors go into ``aside`` under their file
+    names when it is given). A file that holds its own ``lm_head.weight`` beside ``tie_word_embeddings: true`` loads
+    as transformers loads it, both matrices kept (``cfg`` comes back untied, said in the log)."""
     hf_state = read_hf_state(path)
     if language_model:
-        hf_state = _language_model_state(hf_state)
+        hf_state, rest = _language_model_state(hf_state)
+        if aside is not None:
+            aside.update(rest)
     head, embedding = hf_state.get("lm_head.weight"), hf_state.get("model.embed_tokens.weight")
     if cfg.tie_embeddings and head is not None and embedding is not None and not torch.equal(head, embedding):
         logger.info("%s: tie_word_embeddings is set but the file holds an lm_head.weight of its own: both kept "
@@ -557,28 +576,68 @@ def from_pretrained(path, backend: str = "auto", device=None, dtype=None, *, con
     family (``model_type``), and the model keeps the HF config dict as ``model.hf_config`` (token ids, which
     :func:`save_pretrained` writes back) and ``generation_config.json`` as ``model.generation_config`` (None
     without one: the end-of-sequence ids and sampling defaults ``tritonlm generate`` uses).
+
+    A vision-language directory (``qwen3_5`` / ``qwen3_5_moe``, what the Hub publishes) loads its language model;
+    its config.json and every other tensor (the vision tower) are kept as ``model.hf_wrapper`` (the tensors on the
+    CPU, as the file holds them), so :func:`save_pretrained` writes the same vision-language directory back.
     """
     from ..modules import TransformerLM
 
     path = Path(path)
-    hf_cfg, wrapped = text_config_of(read_hf_config(path))  # (a vision-language directory: its language model)
-    cfg = model_config_from_hf(hf_cfg, context_length)
+    raw = read_hf_config(path)
+    hf_cfg, wrapped = text_config_of(raw)  # (a vision-language directory: its language model)
+    cfg = model_config_from_hf(raw, context_length)
     dtype = _requested_dtype(dtype)  # checked before the weights are read
-    cfg, state, hf_state = load_hf_weights(path, cfg, language_model=wrapped)
+    aside: dict[str, torch.Tensor] = {}
+    cfg, state, hf_state = load_hf_weights(path, cfg, language_model=wrapped, aside=aside)
     dtype = dtype or _checkpoint_dtype(hf_cfg, hf_state)
     model = TransformerLM.from_config(cfg, device=device, dtype=dtype, backend=backend)
     model.load_state_dict(state)
     model.hf_config = hf_cfg
+    model.hf_wrapper = {"config": raw, "tensors": aside} if wrapped else None
     model.generation_config = read_generation_config(path)
     return model.eval()  # (as transformers returns it: call .train() to fine-tune)
 
 
-def save_pretrained(model, directory, *, dtype: torch.dtype | None = None) -> Path:
+def _vision_language_files(wrapper: dict, cfg: ModelConfig, text_cfg: dict, state: dict[str, torch.Tensor],
+                           dtype: torch.dtype | None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(config, tensors)`` of the vision-language directory a model was loaded from: its config.json with the
+    language model's ``text_config`` written from the model (every key of the file's own text_config the family
+    accepted without reading kept), and its tensors: the language model under ``model.language_model.`` and the
+    vision tower as it was loaded (converted only when ``dtype`` is given)."""
+    original = wrapper["config"]
+    config = json.loads(json.dumps(original))  # (a deep copy: nested dicts are the loaded model's)
+    text = {k: v for k, v in (original.get("text_config") or {}).items()}
+    text.update({k: v for k, v in text_cfg.items() if k not in ("architectures", "torch_dtype")})
+    text["model_type"] = cfg.model_type
+    config["text_config"] = text
+    if "tie_word_embeddings" in config or cfg.tie_embeddings:  # (the VL class ties by this flag)
+        config["tie_word_embeddings"] = cfg.tie_embeddings
+    dtype_name = text_cfg["torch_dtype"]
+    for where in (config, text):  # (the weights' dtype, under whichever name each level already used)
+        for key in ("dtype", "torch_dtype"):
+            if key in where:
+                where[key] = dtype_name
+    if "dtype" not in config and "torch_dtype" not in config:
+        config["torch_dtype"] = dtype_name
+    tensors = {(_LANGUAGE_MODEL + k[len("model."):]) if k.startswith("model.") else k: v for k, v in state.items()}
+    for name, t in wrapper["tensors"].items():
+        tensors[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    return config, tensors
+
+
+def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, text_only: bool = False) -> Path:
     """Write ``model`` as an HF directory of its family (``model.config.model_type``: the family it was loaded as;
     None, a model built here: the default family, Llama) that ``transformers.AutoModelForCausalLM.from_pretrained``
     loads: ``config.json`` + ``model.safetensors``. A model the family cannot hold exactly is a one-line error
     before anything is written; a ``generation_config.json`` the model was loaded with is written back beside it.
-    ``dtype`` converts the weights (default: as they are). Returns the directory."""
+    The config.json keys the family accepted without reading them (token ids, keys transformers never reads) are
+    written back as they were. ``dtype`` converts the weights (default: as they are). Returns the directory.
+
+    A model loaded from a vision-language directory (``model.hf_wrapper``) is written as that directory again:
+    its config.json with the language model's text_config from the model, the language model's tensors under
+    ``model.language_model.``, and the vision tower unchanged, so transformers loads it as the same vision-language
+    model. ``text_only=True`` writes the language model alone, as its text family."""
     _require("safetensors")
     from safetensors.torch import save_file
 
@@ -589,6 +648,9 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None) -> Pa
         state = {k: v.to(dtype) for k, v in state.items()}
     weights_dtype = next(iter(state.values())).dtype
     hf_cfg = hf_config_from_model(cfg, weights_dtype, getattr(model, "hf_config", None))
+    wrapper = getattr(model, "hf_wrapper", None)
+    if wrapper and not text_only:
+        hf_cfg, state = _vision_language_files(wrapper, cfg, hf_cfg, state, dtype)
     directory.mkdir(parents=True, exist_ok=True)
     save_file({k: v.cpu() for k, v in state.items()}, str(directory / "model.safetensors"),
               metadata={"format": "pt"})

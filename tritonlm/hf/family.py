@@ -38,7 +38,16 @@ COMMON_KEYS = frozenset({
     "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
     "bad_words_ids", "num_return_sequences", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
     "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "pretraining_tp",
+    # export settings of transformers.js (the ONNX runtime in the browser) that Hub repositories carry beside the
+    # PyTorch weights; no transformers modeling code reads them
+    "transformers.js_config",
 })
+
+#: The bookkeeping keys of :data:`COMMON_KEYS` that name the file rather than the model: never copied through a save
+#: (the saved directory gets its own), and ``auto_map`` points at remote-code files it does not hold.
+IDENTITY_KEYS = frozenset({"_name_or_path", "architectures", "model_type", "transformers_version", "dtype",
+                           "torch_dtype", "auto_map", "_attn_implementation", "_attn_implementation_autoset",
+                           "attn_implementation", "_experts_implementation"})
 
 _MISSING = object()
 
@@ -89,8 +98,9 @@ class ConfigReader:
         self.seen.update(keys)
 
     def finish(self) -> None:
-        """Refuse every key neither read, ignored nor common (one line naming them)."""
-        unknown = sorted(set(self.raw) - self.seen - COMMON_KEYS - set(self.family.ignored))
+        """Refuse every key neither read, ignored, harmless nor common (one line naming them)."""
+        unknown = sorted(set(self.raw) - self.seen - COMMON_KEYS - set(self.family.ignored)
+                         - set(self.family.harmless))
         if unknown:
             shown = ", ".join(f"{k}={self.raw[k]!r}" for k in unknown[:4])
             raise ValueError(f"config.json key{'s' if len(unknown) > 1 else ''} {shown}{', ...' if len(unknown) > 4 else ''} "
@@ -176,8 +186,13 @@ class Family:
     transformers' ``config_class`` defaults of the keys ``to_config`` reads (tested against the class itself).
     ``notes`` is the README row's last column; ``default`` marks the family a model built here is saved as.
     ``text_of``: a vision-language directory (``config.json`` with a ``text_config``, the language model's tensors
-    under ``model.language_model.``) whose language model loads as that text family; the vision tower is left out
-    (one log line) and the model saves as the text family."""
+    under ``model.language_model.``) whose language model loads as that text family; the vision tower is kept aside
+    unchanged and the model saves as the same vision-language directory.
+
+    ``harmless``: keys published config.json files carry that transformers' modeling code for this family never
+    reads (its config class may not even define them), each with the reason it changes nothing: accepted on load
+    and written back unchanged on save. A test checks each against the modeling module's source. ``ignored``: keys
+    the family reads elsewhere or that cannot matter here (documented where they are listed)."""
     model_type: str
     architecture: str
     config_class: str
@@ -189,6 +204,7 @@ class Family:
     tokenizer: str = "byte-level BPE"
     notes: str = ""
     ignored: tuple[str, ...] = ()
+    harmless: Mapping[str, str] = field(default_factory=dict)
     default: bool = False
     text_of: str | None = None
 
@@ -349,3 +365,16 @@ def write_decoder(cfg: ModelConfig, act: str = "silu", act_key: str = "hidden_ac
 def derived_head_dim(r: ConfigReader) -> int:
     """transformers' default ``head_dim``: ``hidden_size // num_attention_heads``."""
     return r.get("hidden_size") // r.get("num_attention_heads")
+
+
+def read_router_aux_loss(r: ConfigReader) -> dict:
+    """The load-balancing term as transformers' MoE causal LMs apply it: ``router_aux_loss_coef`` times the loss,
+    added only when ``output_router_logits`` is true (its config classes default it to false, and published configs
+    ship it false): ``ModelConfig.router_aux_loss``."""
+    return dict(router_aux_loss_coef=float(r.get("router_aux_loss_coef")),
+                router_aux_loss=bool(r.get("output_router_logits", False)))
+
+
+def write_router_aux_loss(cfg: ModelConfig) -> dict:
+    """The keys :func:`read_router_aux_loss` reads."""
+    return dict(router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=cfg.router_aux_loss)

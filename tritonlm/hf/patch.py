@@ -381,10 +381,12 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, *args, labels=
         raise TypeError("with apply_kernels(loss=True), pass arguments after attention_mask by keyword")
     num_items = kwargs.pop("num_items_in_batch", None)
     return_dict = kwargs.pop("return_dict", None)
-    moe = hasattr(self.config, "router_aux_loss_coef")
+    # a vision-language class (Qwen3.5-MoE's) keeps the language model's settings in its text config
+    text_config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+    moe = hasattr(text_config, "router_aux_loss_coef")
     if moe:  # as the MoE causal-LM forwards do: the flag, else the config's
         router = kwargs.pop("output_router_logits", None)
-        kwargs["output_router_logits"] = self.config.output_router_logits if router is None else router
+        kwargs["output_router_logits"] = text_config.output_router_logits if router is None else router
     outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
     hidden = outputs[0]
     if shift_labels is None:
@@ -416,8 +418,9 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, *args, labels=
         import importlib
 
         balance = importlib.import_module(type(self).__module__).load_balancing_loss_func
-        aux = balance(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)
-        loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
+        experts = getattr(text_config, "num_experts", None) or text_config.num_local_experts
+        aux = balance(outputs.router_logits, experts, text_config.num_experts_per_tok, attention_mask)
+        loss = loss + text_config.router_aux_loss_coef * aux.to(loss.device)
         extra = dict(aux_loss=aux, router_logits=outputs.router_logits)
     result = output_class(loss=loss, logits=logits, hidden_states=getattr(outputs, "hidden_states", None),
                           attentions=getattr(outputs, "attentions", None),

@@ -45,6 +45,18 @@ GLM4_MOE = {"vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 1094
             "head_dim": derived_head_dim}
 #: the multi-token-prediction depth: its layers sit past num_hidden_layers and are not part of the causal LM
 _MTP_KEYS = ("num_nextn_predict_layers", "num_mtp_layers", "output_router_logits")
+#: keys of the files DeepSeek's own remote code (configuration_deepseek.py) reads and transformers' DeepseekV3 never
+#: does (DeepSeek-V3 / R1, Moonlight, GLM-4.5 files carry them)
+_REMOTE = "DeepSeek's remote code"
+HARMLESS = {
+    "ep_size": f"the expert-parallel degree of {_REMOTE} (a deployment setting, not the model)",
+    "moe_layer_freq": f"{_REMOTE}'s MoE-every-k-layers; transformers makes every layer past first_k_dense_replace MoE",
+    "scoring_func": f"{_REMOTE}'s router score name; transformers' router always scores with the sigmoid",
+    "topk_method": f"{_REMOTE}'s expert-choice name ('noaux_tc': group-limited, with the correction bias); "
+                   "transformers always chooses that way",
+    "aux_loss_alpha": f"{_REMOTE}'s training-time balance loss weight; transformers adds no auxiliary loss",
+    "seq_aux": f"{_REMOTE}'s per-sequence balance loss switch; transformers adds no auxiliary loss",
+}
 SHARED = {"ffn.shared_expert.w1.weight": "mlp.shared_experts.gate_proj.weight",
           "ffn.shared_expert.w2.weight": "mlp.shared_experts.down_proj.weight",
           "ffn.shared_expert.w3.weight": "mlp.shared_experts.up_proj.weight"}
@@ -132,7 +144,7 @@ def _glm4_moe_hf(cfg) -> dict:
 register(Family(
     model_type="deepseek_v3", architecture="DeepseekV3ForCausalLM", config_class="DeepseekV3Config",
     defaults=DEEPSEEK_V3, to_config=_deepseek, to_hf=_deepseek_hf,
-    weights=Weights(names=SHARED, rope_layout="interleaved", mtp_layers=True),
+    weights=Weights(names=SHARED, rope_layout="interleaved", mtp_layers=True), harmless=HARMLESS,
     kernels=Kernels(norms={"DeepseekV3RMSNorm": "cast"}, mlps={"DeepseekV3MLP": "swiglu"},
                     attention=("DeepseekV3Attention",), experts={"DeepseekV3Experts": "stacked"},
                     rope_layout="interleaved"),
@@ -140,7 +152,7 @@ register(Family(
           "YaRN mscale; FP8 files refused"))
 register(Family(
     model_type="glm4_moe", architecture="Glm4MoeForCausalLM", config_class="Glm4MoeConfig", defaults=GLM4_MOE,
-    to_config=_glm4_moe, to_hf=_glm4_moe_hf, weights=Weights(names=SHARED, mtp_layers=True),
+    to_config=_glm4_moe, to_hf=_glm4_moe_hf, weights=Weights(names=SHARED, mtp_layers=True), harmless=HARMLESS,
     kernels=Kernels(norms={"Glm4MoeRMSNorm": "cast"}, mlps={"Glm4MoeMLP": "swiglu"}, attention=("Glm4MoeAttention",),
                     experts={"Glm4MoeExperts": "stacked"}),
     notes="sigmoid group-limited router with correction bias, shared experts, dense first layers, partial RoPE, "

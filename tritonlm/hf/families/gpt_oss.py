@@ -14,9 +14,11 @@ from ..family import (
     read_decoder,
     read_dropout,
     read_layer_types,
+    read_router_aux_loss,
     register,
     windows,
     write_decoder,
+    write_router_aux_loss,
 )
 
 DEFAULTS = {"vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 36,
@@ -30,6 +32,15 @@ DEFAULTS = {"vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880
                              "truncate": False, "original_max_position_embeddings": 4096}}
 
 
+#: keys of the published gpt-oss files from OpenAI's own reference code, which transformers never reads
+HARMLESS = {
+    "experts_per_token": "the reference code's name for num_experts_per_tok (also in the file, which transformers "
+                         "reads)",
+    "initial_context_length": "the reference code's YaRN base length; transformers reads rope_scaling's "
+                              "original_max_position_embeddings",
+}
+
+
 def to_config(r) -> dict:
     r.ignore("hidden_act")  # (its experts' gated unit is the clamped SwiGLU whatever hidden_act says)
     fields = read_decoder(r, act_key=None)
@@ -40,7 +51,7 @@ def to_config(r) -> dict:
                 attention_sinks=True, num_experts=int(experts), experts_per_token=int(r.get("num_experts_per_tok")),
                 moe_d_ff=int(fields["d_ff"]), router_bias=True, router_softmax_after_topk=True, expert_bias=True,
                 expert_activation="swiglu_clamped", swiglu_alpha=float(r.get("swiglu_alpha")),
-                swiglu_limit=float(r.get("swiglu_limit")), router_aux_loss_coef=float(r.get("router_aux_loss_coef")),
+                swiglu_limit=float(r.get("swiglu_limit")), **read_router_aux_loss(r),
                 dropout=read_dropout(r, "attention_dropout"))
 
 
@@ -50,14 +61,13 @@ def to_hf(cfg) -> dict:
                 layer_types=["sliding_attention" if cfg.layer_window(i) else "full_attention"
                              for i in range(cfg.num_layers)],
                 num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
-                swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit,
-                router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=False,
+                swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit, **write_router_aux_loss(cfg),
                 attention_dropout=cfg.dropout)
 
 
 register(Family(
     model_type="gpt_oss", architecture="GptOssForCausalLM", config_class="GptOssConfig", defaults=DEFAULTS,
-    to_config=to_config, to_hf=to_hf, ignored=("output_router_logits",),
+    to_config=to_config, to_hf=to_hf, harmless=HARMLESS,
     weights=Weights(expert_format="transposed_interleaved"),
     kernels=Kernels(norms={"GptOssRMSNorm": "fp32_weight"}, mlps={}, attention=("GptOssAttention",),
                     experts={"GptOssExperts": "transposed_interleaved"}, rope_tables="pairs"),

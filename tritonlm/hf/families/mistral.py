@@ -9,8 +9,10 @@ from ..family import (
     derived_head_dim,
     read_decoder,
     read_dropout,
+    read_router_aux_loss,
     register,
     write_decoder,
+    write_router_aux_loss,
 )
 
 MISTRAL = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -37,14 +39,12 @@ def _mixtral(r) -> dict:
     # (transformers 5 maps num_experts onto num_local_experts; configs may hold either name)
     experts = r.get("num_experts") if "num_experts" in r else r.get("num_local_experts")
     return dict(fields, num_experts=int(experts), experts_per_token=int(r.get("num_experts_per_tok")),
-                moe_d_ff=int(r.get("intermediate_size")), norm_topk_prob=True,
-                router_aux_loss_coef=float(r.get("router_aux_loss_coef")))
+                moe_d_ff=int(r.get("intermediate_size")), norm_topk_prob=True, **read_router_aux_loss(r))
 
 
 def _mixtral_hf(cfg) -> dict:
     return dict(_mistral_hf(cfg), intermediate_size=cfg.expert_d_ff, num_local_experts=cfg.num_experts,
-                num_experts_per_tok=cfg.experts_per_token, router_aux_loss_coef=cfg.router_aux_loss_coef,
-                router_jitter_noise=0.0, output_router_logits=False)
+                num_experts_per_tok=cfg.experts_per_token, **write_router_aux_loss(cfg), router_jitter_noise=0.0)
 
 
 register(Family(
@@ -54,7 +54,7 @@ register(Family(
     tokenizer="SentencePiece BPE", notes="sliding window on every layer"))
 register(Family(
     model_type="mixtral", architecture="MixtralForCausalLM", config_class="MixtralConfig", defaults=MIXTRAL,
-    to_config=_mixtral, to_hf=_mixtral_hf, ignored=("output_router_logits",),
+    to_config=_mixtral, to_hf=_mixtral_hf,
     weights=Weights(expert_block="block_sparse_moe", expert_names=("w1", "w3", "w2")),
     kernels=Kernels(norms={"MixtralRMSNorm": "cast"}, mlps={}, attention=("MixtralAttention",),
                     experts={"MixtralExperts": "stacked"}),

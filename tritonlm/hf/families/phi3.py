@@ -26,6 +26,18 @@ FUSED = (Fused("self_attn.qkv_proj.weight", ("self_attn.q_proj.weight", "self_at
                lambda cfg: (cfg.d_ff, cfg.d_ff)))
 
 
+#: keys of the Phi-3 / Phi-4 files that their remote code (configuration_phi3.py) defines and transformers' Phi-3
+#: modeling never reads; a file whose weights hold such biases fails on the unexpected bias tensors, by name
+_REMOTE = "Phi-4's remote-code option"
+HARMLESS = {
+    "attention_bias": "transformers' Phi-3 attention has no biases and never reads the flag",
+    "mlp_bias": "transformers' Phi-3 MLP has no biases and never reads the flag",
+    "lm_head_bias": "transformers' Phi-3 LM head has no bias and never reads the flag",
+    "full_attn_mod": f"{_REMOTE} for mixing full-attention layers among windowed ones; not read",
+    "interpolate_factor": f"{_REMOTE} for position interpolation; not read (RoPE scaling is rope_scaling's)",
+}
+
+
 def to_config(r) -> dict:
     window = r.get("sliding_window")
     return dict(read_decoder(r, partial_rotary=True), sliding_window=int(window) if window else None,
@@ -41,6 +53,6 @@ def to_hf(cfg) -> dict:
 register(Family(
     model_type="phi3", architecture="Phi3ForCausalLM", config_class="Phi3Config", defaults=DEFAULTS,
     to_config=to_config, to_hf=to_hf, ignored=("original_max_position_embeddings",),  # (read by longrope only)
-    weights=Weights(fused=FUSED),
+    weights=Weights(fused=FUSED), harmless=HARMLESS,
     kernels=Kernels(norms={"Phi3RMSNorm": "cast"}, mlps={"Phi3MLP": "gate_up"}, attention=("Phi3Attention",)),
     tokenizer="SentencePiece BPE", notes="fused qkv / gate_up, partial rotary, window on every layer"))

@@ -9,8 +9,10 @@ from ..family import (
     derived_head_dim,
     read_decoder,
     read_dropout,
+    read_router_aux_loss,
     register,
     write_decoder,
+    write_router_aux_loss,
 )
 
 QWEN2 = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
@@ -50,7 +52,7 @@ def _moe(r, fields: dict, experts_key: str, shared: bool) -> dict:
     shared_d_ff = int(r.get("shared_expert_intermediate_size") or 0) if shared else 0
     return dict(fields, num_experts=int(experts), experts_per_token=int(r.get("num_experts_per_tok")),
                 moe_d_ff=int(r.get("moe_intermediate_size")), norm_topk_prob=bool(r.get("norm_topk_prob")),
-                router_aux_loss_coef=float(r.get("router_aux_loss_coef")), shared_expert_d_ff=shared_d_ff or None,
+                **read_router_aux_loss(r), shared_expert_d_ff=shared_d_ff or None,
                 moe_layers=None if len(moe_layers) == layers else moe_layers)
 
 
@@ -61,7 +63,7 @@ def _dense_hf(cfg) -> dict:
 def _moe_hf(cfg, experts_key: str) -> dict:
     return dict(_dense_hf(cfg), **{experts_key: cfg.num_experts}, num_experts_per_tok=cfg.experts_per_token,
                 moe_intermediate_size=cfg.expert_d_ff, norm_topk_prob=cfg.norm_topk_prob,
-                router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=False, decoder_sparse_step=1,
+                **write_router_aux_loss(cfg), decoder_sparse_step=1,
                 mlp_only_layers=[i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)])
 
 
@@ -94,12 +96,12 @@ def _qwen2_moe_hf(cfg) -> dict:
 
 register(Family(
     model_type="qwen2_moe", architecture="Qwen2MoeForCausalLM", config_class="Qwen2MoeConfig", defaults=QWEN2_MOE,
-    to_config=_qwen2_moe, ignored=(*_WINDOW_KEYS, "output_router_logits"), kernels=_kernels("Qwen2Moe", True),
+    to_config=_qwen2_moe, ignored=_WINDOW_KEYS, kernels=_kernels("Qwen2Moe", True),
     to_hf=_qwen2_moe_hf,
     notes="dense layers among MoE ones, gated shared expert"))
 register(Family(
     model_type="qwen3_moe", architecture="Qwen3MoeForCausalLM", config_class="Qwen3MoeConfig", defaults=QWEN3_MOE,
     to_config=lambda r: _moe(r, _dense(r, qkv_bias=False, qk_norm=True), "num_local_experts", shared=False),
     to_hf=lambda cfg: dict(_moe_hf(cfg, "num_local_experts"), attention_bias=False),
-    ignored=(*_WINDOW_KEYS, "output_router_logits"), kernels=_kernels("Qwen3Moe", True),
+    ignored=_WINDOW_KEYS, kernels=_kernels("Qwen3Moe", True),
     notes="dense layers among MoE ones"))

@@ -21,7 +21,18 @@ from __future__ import annotations
 
 import torch
 
-from ..family import Family, Fused, Kernels, Weights, read_decoder, read_dropout, register, write_decoder
+from ..family import (
+    Family,
+    Fused,
+    Kernels,
+    Weights,
+    read_decoder,
+    read_dropout,
+    read_router_aux_loss,
+    register,
+    write_decoder,
+    write_router_aux_loss,
+)
 from .qwen import _moe as _qwen_moe
 
 _COMMON = {"hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
@@ -38,7 +49,22 @@ QWEN3_5_MOE_TEXT = {**_COMMON, "vocab_size": 248320, "hidden_size": 2048, "num_h
                     "num_attention_heads": 16, "num_key_value_heads": 2, "moe_intermediate_size": 512,
                     "shared_expert_intermediate_size": 512, "num_experts_per_tok": 8, "num_experts": 256,
                     "router_aux_loss_coef": 0.001}
-_IGNORED = ("output_router_logits", "full_attention_interval")
+#: full_attention_interval only makes the default layer_types (read there when layer_types is absent)
+_IGNORED = ("full_attention_interval",)
+#: keys the Hub's Qwen3.5 / Qwen3.6 config.json files carry (the text_config of the VL release) that transformers'
+#: Qwen3.5 modeling never reads
+_MTP = "the multi-token-prediction head speculative decoders use (its mtp.* tensors are not part of the causal LM)"
+QWEN3_5_HARMLESS = {
+    "attn_output_gate": "the attention always gates its output (q_proj holds the gate rows); the flag is never read",
+    "mamba_ssm_dtype": "the recurrent-state dtype of serving engines' caches; transformers (and tritonlm: fp32) keep "
+                       "their own",
+    "mlp_only_layers": "Qwen3-Next's dense-layer list, carried over in the files; every Qwen3.5 layer has the same MLP",
+    "mtp_num_hidden_layers": f"the depth of {_MTP}",
+    "mtp_use_dedicated_embeddings": f"an option of {_MTP}",
+}
+QWEN3_NEXT_HARMLESS = {
+    "use_sliding_window": "Qwen3-Next's attention has no sliding window; the flag (from Qwen2's config) is never read",
+}
 
 
 def _layer_types(r) -> list[str]:
@@ -90,7 +116,7 @@ def _qwen3_next(r) -> dict:
 def _qwen3_next_hf(cfg) -> dict:
     return dict(_hybrid_hf(cfg), num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
                 moe_intermediate_size=cfg.expert_d_ff, norm_topk_prob=cfg.norm_topk_prob,
-                router_aux_loss_coef=cfg.router_aux_loss_coef, decoder_sparse_step=1,
+                **write_router_aux_loss(cfg), decoder_sparse_step=1,
                 shared_expert_intermediate_size=cfg.shared_expert_d_ff,
                 mlp_only_layers=[i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)])
 
@@ -103,7 +129,7 @@ def _qwen3_5_moe(r) -> dict:
                          "shared expert")
     return dict(fields, num_experts=int(r.get("num_experts")), experts_per_token=int(r.get("num_experts_per_tok")),
                 moe_d_ff=int(r.get("moe_intermediate_size")), norm_topk_prob=True, shared_expert_d_ff=shared,
-                router_aux_loss_coef=float(r.get("router_aux_loss_coef")))
+                **read_router_aux_loss(r))
 
 
 def _qwen3_5_moe_hf(cfg) -> dict:
@@ -114,7 +140,7 @@ def _qwen3_5_moe_hf(cfg) -> dict:
     del out["intermediate_size"]
     return dict(out, num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
                 moe_intermediate_size=cfg.expert_d_ff, shared_expert_intermediate_size=cfg.shared_expert_d_ff,
-                router_aux_loss_coef=cfg.router_aux_loss_coef)
+                **write_router_aux_loss(cfg))
 
 
 # ---- weights: the gate rows of q_proj, and Qwen3-Next's per-key-head interleaving
@@ -161,18 +187,21 @@ register(Family(
     model_type="qwen3_next", architecture="Qwen3NextForCausalLM", config_class="Qwen3NextConfig",
     defaults=QWEN3_NEXT, to_config=_qwen3_next, to_hf=_qwen3_next_hf, kernels=_kernels("Qwen3Next", True),
     weights=Weights(fused=(_GATE, _QKVZ, _BA), skipped_prefixes=("mtp.",)), ignored=_IGNORED,
+    harmless=QWEN3_NEXT_HARMLESS,
     notes=f"{_NOTES}, MoE with a gated shared expert"))
 QWEN3_5_KERNELS = _kernels("Qwen3_5", False)
 QWEN3_5_MOE_KERNELS = _kernels("Qwen3_5Moe", True)
 register(Family(
     model_type="qwen3_5_text", architecture="Qwen3_5ForCausalLM", config_class="Qwen3_5TextConfig",
     defaults=QWEN3_5_TEXT, to_config=_hybrid, to_hf=lambda cfg: _hybrid_hf(cfg), kernels=QWEN3_5_KERNELS,
-    weights=Weights(fused=(_GATE,), skipped_prefixes=("mtp.",)), ignored=_IGNORED, notes=_NOTES))
+    weights=Weights(fused=(_GATE,), skipped_prefixes=("mtp.",)), ignored=_IGNORED, harmless=QWEN3_5_HARMLESS,
+    notes=_NOTES))
 register(Family(
     model_type="qwen3_5_moe_text", architecture="Qwen3_5MoeForCausalLM", config_class="Qwen3_5MoeTextConfig",
     defaults=QWEN3_5_MOE_TEXT, to_config=_qwen3_5_moe, to_hf=_qwen3_5_moe_hf, kernels=QWEN3_5_MOE_KERNELS,
     weights=Weights(fused=(_GATE,), skipped_prefixes=("mtp.",)),
     ignored=(*_IGNORED, "intermediate_size"),  # (its class reads none: every layer is MoE)
+    harmless=QWEN3_5_HARMLESS,
     notes=f"{_NOTES}, MoE with a gated shared expert"))
 
 

@@ -58,8 +58,12 @@ def to_hf(cfg) -> dict:
                 attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias, attention_dropout=cfg.dropout)
 
 
+#: keys of the published SmolLM3 files that transformers' SmolLM3 never reads
+HARMLESS = {"max_window_layers": "Qwen2's windowed-layers bound, carried in the files; SmolLM3 windows the layers "
+                                 "layer_types / use_sliding_window name"}
+
 register(Family(
     model_type="smollm3", architecture="SmolLM3ForCausalLM", config_class="SmolLM3Config", defaults=DEFAULTS,
-    to_config=to_config, to_hf=to_hf,
+    to_config=to_config, to_hf=to_hf, harmless=HARMLESS,
     kernels=Kernels(norms={"SmolLM3RMSNorm": "cast"}, mlps={"SmolLM3MLP": "swiglu"}, attention=("SmolLM3Attention",)),
     notes="NoPE layers (`no_rope_layers`), optional sliding layers"))
