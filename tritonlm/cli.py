@@ -484,7 +484,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16,
                    help="--prompt-file: positions per block of the paged KV cache (a multiple of 16)")
     p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="default: a Hugging Face directory's generation_config.json, else 200")
+                   help="default: a Hugging Face directory's generation_config.json, else 200 (capped so the "
+                        "prompt and the new tokens fit the model's context; a value beyond it is an error)")
     p.add_argument("--temperature", type=float, default=None,
                    help="0 = greedy; default: generation_config.json's (greedy unless it sets do_sample), else 0.8")
     p.add_argument("--top-k", type=int, default=None, help="default: generation_config.json's when it samples")
