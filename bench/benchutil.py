@@ -198,3 +198,26 @@ def gated_delta_baselines() -> dict:
         except ImportError:
             pass
     return out
+
+
+def post_training_baselines() -> dict:
+    """Liger-Kernel's post-training classes, built for our benchmarks' calls, where Liger is installed and a GPU
+    is present: ``grpo(h, w, ids, mask, adv) -> loss`` and ``jsd(hs, ws, ht, wt) -> loss``."""
+    out = {}
+    if not torch.cuda.is_available():
+        return out
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        grpo = LigerFusedLinearGRPOLoss(beta=0.0, loss_type="bnpo")
+        out["grpo"] = lambda h, w, ids, mask, adv: grpo(h, w, ids, mask, adv)[0]
+    except Exception:
+        pass
+    try:
+        from liger_kernel.transformers import LigerFusedLinearJSD
+
+        fljsd = LigerFusedLinearJSD(jsd_beta=0.5)
+        out["jsd"] = lambda hs, ws, ht, wt: fljsd(hs, ws, ht, wt)
+    except Exception:
+        pass
+    return out

@@ -155,6 +155,7 @@ def main() -> int:
         loss_rows,
         moe_rows,
         op_rows,
+        post_training_rows,
         train_rows,
     )
 
@@ -165,6 +166,8 @@ def main() -> int:
             lambda: {"rows": attention_variant_rows(device, copy_bw, smoke=not on_gpu, time_left=left)}, min_left=60)
     section("decode", lambda: {"rows": decode_rows(device, copy_bw, smoke=not on_gpu, time_left=left)}, min_left=60)
     section("lm_head_loss", lambda: {"rows": loss_rows(device, smoke=not on_gpu, time_left=left)}, min_left=60)
+    section("post_training", lambda: {"rows": post_training_rows(device, smoke=not on_gpu, time_left=left)},
+            min_left=60)
     section("moe", lambda: {"rows": moe_rows(device, smoke=not on_gpu, time_left=left)}, min_left=60)
     section("gated_delta", lambda: {"rows": gated_delta_rows(device, copy_bw, smoke=not on_gpu, time_left=left)},
             min_left=60)

@@ -199,6 +199,79 @@ def loss_rows(device, smoke=False, time_left=lambda: 1e9):
     return rows
 
 
+def post_training_rows(device, smoke=False, time_left=lambda: 1e9):
+    """The post-training head at TRL #7244's shape (8,192 tokens, hidden 4096, vocabulary 151,936; smoke: tiny):
+    per-token log-prob + entropy forward from the materialised logits (the torch path trainers run) vs
+    ``linear_log_probs``; fused CE + entropy + accuracy forward + backward; the GRPO loss and the fused linear JSD
+    forward + backward against the materialised-logits torch path and Liger's when installed. Time and peak memory."""
+    import torch.nn.functional as TF
+
+    from tritonlm.kernels import fused_linear_jsd, linear_cross_entropy, linear_log_probs
+    from tritonlm.losses import LigerFusedLinearGRPOLoss
+
+    from benchutil import post_training_baselines
+
+    dtype = torch.float32 if smoke else torch.bfloat16
+    n, d, v = (64, 32, 1000) if smoke else (8192, 4096, 151936)
+    rows = []
+    hidden = torch.randn(n, d, device=device, dtype=dtype, requires_grad=True)
+    weight = (torch.randn(v, d, device=device, dtype=dtype) / d**0.5).requires_grad_()
+    ids = torch.randint(0, v, (n,), device=device)
+    batch = 8
+    mask = torch.ones(batch, n // batch, device=device)
+    adv = torch.randn(batch, device=device)
+    liger = post_training_baselines()
+    grpo = LigerFusedLinearGRPOLoss(beta=0.0, loss_type="bnpo")
+
+    def eager_logps():
+        z = torch.log_softmax((hidden @ weight.t()).float(), -1)
+        return z.gather(-1, ids[:, None])[:, 0], -(z.exp() * z).sum(-1)
+
+    def eager_grpo(h, w, i, m, a):
+        lp = torch.log_softmax((h @ w.t()).float(), -1).gather(-1, i[..., None])[..., 0]
+        ratio = torch.exp(lp - lp.detach())
+        return (-(ratio * a[:, None]) * m).sum() / m.sum()
+
+    shaped = (hidden.view(batch, n // batch, d), ids.view(batch, n // batch))
+    cases = {
+        ("logp+entropy fwd", "torch (materialised logits)"): lambda: eager_logps(),
+        ("logp+entropy fwd", "tritonlm"): lambda: linear_log_probs(hidden, weight, ids, return_entropy=True),
+        ("ce+entropy+accuracy fwd+bwd", "torch (materialised logits)"):
+            lambda: TF.cross_entropy((hidden @ weight.t()).float(), ids).backward(),
+        ("ce+entropy+accuracy fwd+bwd", "tritonlm"):
+            lambda: linear_cross_entropy(hidden, weight, ids, return_token_accuracy=True,
+                                         return_entropy=True).loss.backward(),
+        ("grpo fwd+bwd", "torch (materialised logits)"): lambda: eager_grpo(*shaped[:1], weight, shaped[1], mask,
+                                                                             adv).backward(),
+        ("grpo fwd+bwd", "tritonlm"): lambda: grpo(shaped[0], weight, shaped[1], mask, adv)[0].backward(),
+        ("fused linear jsd fwd+bwd", "tritonlm"):
+            lambda: fused_linear_jsd(hidden, weight, hidden.detach(), weight.detach()).backward(),
+    }
+    if "grpo" in liger:
+        cases[("grpo fwd+bwd", "liger-kernel")] = lambda: liger["grpo"](shaped[0], weight, shaped[1], mask,
+                                                                         adv).backward()
+    if "jsd" in liger:
+        cases[("fused linear jsd fwd+bwd", "liger-kernel")] = lambda: liger["jsd"](
+            hidden, weight, hidden.detach(), weight.detach()).backward()
+    for (group, impl), fn in cases.items():
+        if time_left() < 30:
+            break
+
+        def step(fn=fn):
+            fn()
+            hidden.grad = weight.grad = None
+
+        try:
+            ms = _ms(_time(step, device, smoke))
+            peak = _peak_bytes(step, device)
+        except Exception as e:  # out of memory (the materialised path at this shape), or a baseline's refusal
+            rows.append({"group": group, "impl": impl, "error": repr(e)[:200]})
+            continue
+        rows.append({"group": group, "impl": impl, "shape": f"{n}x{d}x{v}", "dtype": str(dtype)[6:], "ms": ms,
+                     "peak_MiB": peak / 2**20})
+    return rows
+
+
 def attention_variant_rows(device, copy_bw, smoke=False, time_left=lambda: 1e9):
     """GQA vs MHA (same query heads) vs SDPA, packed documents vs the padded batch, and one-query decoding
     against long caches (split-KV) with the bandwidth of reading the cache once."""

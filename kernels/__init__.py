@@ -5,7 +5,9 @@ k norms in one launch), :func:`rms_norm_gated` (Qwen3.5's norm before the gate),
 :func:`causal_conv1d_fn` / :func:`causal_conv1d_update` (Gated DeltaNet's short convolution),
 :func:`chunk_gated_delta_rule` / :func:`fused_recurrent_gated_delta_rule` (Gated DeltaNet itself), :func:`apply_rope`, :func:`swiglu_gate`,
 :func:`flash_attention`; losses :func:`cross_entropy` (on logits) and :func:`linear_cross_entropy` (LM head +
-loss without materialising the logits).
+loss without materialising the logits); post-training heads :func:`linear_log_probs` (per-token log-probabilities and
+entropy from hidden states), :func:`selective_log_softmax` / :func:`entropy_from_logits` (TRL's, on logits), and the
+distillation divergences :func:`jsd`, :func:`kl_div`, :func:`fused_linear_jsd`.
 Attention Functions: :class:`FlashAttention` (Triton) and :class:`FlashAttentionTorch` (tiled PyTorch), both with
 grouped-query attention; flash-attn 2's entry points :func:`flash_attn_func` and :func:`flash_attn_varlen_func`
 (windows, packed sequences); few queries against a long cache take the split-KV (flash-decoding) path.
@@ -31,6 +33,14 @@ from .swiglu import SwiGLUGateFunction, geglu_gate, swiglu_gate  # noqa: E402
 from .rope import RoPEFunction, apply_rope, rope_tables  # noqa: E402
 from .cross_entropy_loss import CrossEntropyFunction, cross_entropy  # noqa: E402
 from .linear_cross_entropy_loss import LinearCrossEntropyFunction, linear_cross_entropy  # noqa: E402
+from .log_probs import (  # noqa: E402
+    LinearLogProbsFunction,
+    LogProbsFunction,
+    entropy_from_logits,
+    linear_log_probs,
+    selective_log_softmax,
+)
+from .distill import DivergenceFunction, FusedLinearJSDFunction, fused_linear_jsd, jsd, kl_div  # noqa: E402
 from . import registrations  # noqa: E402,F401  (the single-file ops' registrations: kernels/_registry.py)
 from .attention import (  # noqa: E402
     FlashAttention,
@@ -51,5 +61,7 @@ __all__ = [
     "qk_rms_norm", "QKNormFunction", "rms_norm_gated", "RMSNormGatedFunction",
     "causal_conv1d_fn", "causal_conv1d_update", "CausalConv1dFunction",
     "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "GatedDeltaRuleFunction",
+    "linear_log_probs", "selective_log_softmax", "entropy_from_logits", "LogProbsFunction", "LinearLogProbsFunction",
+    "jsd", "kl_div", "fused_linear_jsd", "DivergenceFunction", "FusedLinearJSDFunction",
     "INTERPRETING",
 ]

@@ -49,6 +49,8 @@ the earlier launch; no GPU has measured either yet.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -415,9 +417,37 @@ class CrossEntropyFunction(torch.autograd.Function):
         return grad, None, None, None, None, None, None, None
 
 
+class CrossEntropyOutput(NamedTuple):
+    """What :func:`cross_entropy` / :func:`~tritonlm.kernels.linear_cross_entropy` return when a metric is asked
+    for (Liger's ``CrossEntropyOutput`` fields, plus the entropy): the loss, the z-loss term, the fraction of
+    non-ignored tokens whose argmax is the target, each token's argmax (``[...]``, int64) and each token's softmax
+    entropy (``[...]``, fp32); the metrics are not differentiable, and None where not asked."""
+    loss: torch.Tensor
+    z_loss: torch.Tensor | None = None
+    token_accuracy: torch.Tensor | None = None
+    predicted_tokens: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+
+def metrics_output(loss, z_term, predicted, entropy, targets, ignore_index: int, *, return_z_loss: bool,
+                   return_token_accuracy: bool, return_predicted_tokens: bool, return_entropy: bool):
+    """The loss alone, ``(loss, z_loss)``, or a :class:`CrossEntropyOutput` with the metrics asked for."""
+    if not (return_token_accuracy or return_predicted_tokens or return_entropy):
+        return (loss, z_term) if return_z_loss else loss
+    accuracy = None
+    if return_token_accuracy:
+        keep = targets != ignore_index
+        accuracy = ((predicted.view(targets.shape) == targets) & keep).sum() / keep.sum().clamp_min(1)
+    return CrossEntropyOutput(loss, z_term if return_z_loss else None, accuracy,
+                              predicted.view(targets.shape) if return_predicted_tokens else None,
+                              entropy.view(targets.shape) if return_entropy else None)
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
                   label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
-                  reduction: str = "mean", return_z_loss: bool = False, overwrite_logits: bool = False):
+                  reduction: str = "mean", return_z_loss: bool = False, overwrite_logits: bool = False,
+                  return_token_accuracy: bool = False, return_predicted_tokens: bool = False,
+                  return_entropy: bool = False):
     """Fused cross-entropy of ``logits[..., vocab]`` against integer ``targets[...]``.
 
     Same semantics as ``F.cross_entropy(logits.float(), targets, ignore_index=..., label_smoothing=...,
@@ -429,6 +459,9 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: 
     differentiable (for logging). ``overwrite_logits=True`` writes the gradient into the logits' storage
     instead of a fresh ``[..., vocab]`` buffer: the logits' values are gone after the forward, so only use
     it when nothing reads them afterwards.
+
+    ``return_token_accuracy`` / ``return_predicted_tokens`` / ``return_entropy`` return a :class:`CrossEntropyOutput`
+    with those metrics (computed by one more read of the logits, before the loss; not differentiable).
     """
     if logits.dim() < 1 or logits.shape[:-1] != targets.shape:
         raise ValueError(f"cross_entropy: logits {tuple(logits.shape)} and targets {tuple(targets.shape)} "
@@ -442,10 +475,19 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: 
     rows = as_rows(logits)
     if overwrite_logits and rows.data_ptr() != logits.data_ptr():
         overwrite_logits = False  # as_rows had to copy: the copy is private anyway
+    predicted = entropy = None
+    if return_token_accuracy or return_predicted_tokens or return_entropy:
+        from .log_probs import log_prob_stats  # (log_probs builds on this module: imported when used)
+
+        with torch.no_grad():
+            _, _, entropy, predicted = log_prob_stats(rows.detach(), None, softcap=softcap, entropy=return_entropy,
+                                                      argmax=return_token_accuracy or return_predicted_tokens)
     loss, z_term = CrossEntropyFunction.apply(rows, targets.reshape(-1), int(ignore_index),
                                               float(label_smoothing), float(z_loss),
                                               None if softcap is None else float(softcap), reduction,
                                               bool(overwrite_logits))
     if reduction == "none":
         loss, z_term = loss.view(targets.shape), z_term.view(targets.shape)
-    return (loss, z_term) if return_z_loss else loss
+    return metrics_output(loss, z_term, predicted, entropy, targets, ignore_index, return_z_loss=return_z_loss,
+                          return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens,
+                          return_entropy=return_entropy)

@@ -44,7 +44,13 @@ import triton
 
 from ._common import check_device, check_float, first_order_backward
 from ._ranges import kernel_range
-from .cross_entropy_loss import check_loss_options, cross_entropy_rows, mean_scale, reduce_loss
+from .cross_entropy_loss import (
+    check_loss_options,
+    cross_entropy_rows,
+    mean_scale,
+    metrics_output,
+    reduce_loss,
+)
 from .cross_entropy_loss import check_targets as _check_targets
 
 #: bytes of logits held at once (one chunk, reused as its own gradient): 256 MiB
@@ -110,9 +116,11 @@ def _weight_grad_buffer(weight: torch.Tensor) -> torch.Tensor:
 def linear_cross_entropy_forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                                  ignore_index: int, label_smoothing: float, z_loss: float, softcap: float | None,
                                  grad_scale: torch.Tensor, need_dh: bool, need_dw: bool,
-                                 compute_dtype: torch.dtype):
-    """Chunked forward. Returns fp32 per-row ``(loss, z_term)`` and, when asked, ``dhidden`` (hidden's dtype)
-    and the fp32 ``dweight`` of ``sum(loss · grad_scale)`` (empty tensors when not asked)."""
+                                 compute_dtype: torch.dtype, want_argmax: bool = False, want_entropy: bool = False):
+    """Chunked forward. Returns fp32 per-row ``(loss, z_term)``, when asked ``dhidden`` (hidden's dtype) and the fp32
+    ``dweight`` of ``sum(loss · grad_scale)``, and with ``want_argmax`` / ``want_entropy`` each row's predicted token
+    (int64) and the entropy of its softmax (fp32) from the same chunk of logits (one more read of the chunk, by the
+    log-prob statistics kernel, before the loss kernel turns it into its gradient); empty tensors when not asked."""
     opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
     n_rows, n_vocab = hidden.shape[0], weight.shape[0]
     h, w = hidden.to(compute_dtype), weight.to(compute_dtype)
@@ -128,12 +136,23 @@ def linear_cross_entropy_forward(hidden: torch.Tensor, weight: torch.Tensor, tar
     element_size = torch.finfo(compute_dtype).bits // 8
     buffer = torch.empty(chunk_rows(n_rows, n_vocab, element_size), padded, dtype=compute_dtype,
                          device=hidden.device)
+    predicted = torch.empty(n_rows if want_argmax else 0, dtype=torch.int64, device=hidden.device)
+    entropy = torch.empty(n_rows if want_entropy else 0, dtype=torch.float32, device=hidden.device)
+    if want_argmax or want_entropy:
+        from .log_probs import log_prob_stats  # (log_probs builds on this module: imported when used)
     with autocast_off:
         for lo, hi in _chunks(n_rows, n_vocab, element_size):
             # ---- this chunk's logits; the kernel overwrites them with their gradient when one is wanted
             logits = torch.mm(h[lo:hi], w.t(), out=buffer[:hi - lo, :n_vocab])
             grad = logits if (need_dh or need_dw) else None
             scale = grad_scale if grad_scale.numel() == 1 else grad_scale[lo:hi]  # one for all, or per row
+            if want_argmax or want_entropy:  # (the metrics read the logits before they become their gradient)
+                _, _, c_ent, c_best = log_prob_stats(logits, None, softcap=softcap, entropy=want_entropy,
+                                                     argmax=want_argmax)
+                if want_argmax:
+                    predicted[lo:hi] = c_best
+                if want_entropy:
+                    entropy[lo:hi] = c_ent
             loss[lo:hi], _, z_term[lo:hi] = cross_entropy_rows(logits, targets[lo:hi], grad=grad,
                                                                grad_scale=scale, **opts)
             # ---- dhidden_c = dlogits_c W ; dW += dlogits_cᵀ hidden_c
@@ -144,7 +163,7 @@ def linear_cross_entropy_forward(hidden: torch.Tensor, weight: torch.Tensor, tar
             del logits, grad
     del buffer
     empty = hidden.new_empty(0)
-    return loss, z_term, (dh if dh is not None else empty), (dw if dw is not None else empty)
+    return loss, z_term, (dh if dh is not None else empty), (dw if dw is not None else empty), predicted, entropy
 
 
 def linear_cross_entropy_backward(grad_rows: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
@@ -153,8 +172,8 @@ def linear_cross_entropy_backward(grad_rows: torch.Tensor, hidden: torch.Tensor,
                                   compute_dtype: torch.dtype):
     """Backward of ``reduction="none"``: recompute each chunk's logits, scale row i's gradient by
     ``grad_rows[i]``. Returns ``(dhidden, dweight fp32)`` (empty tensors when not asked)."""
-    _, _, dh, dw = linear_cross_entropy_forward(hidden, weight, targets, ignore_index, label_smoothing, z_loss,
-                                                softcap, grad_rows.float(), need_dh, need_dw, compute_dtype)
+    _, _, dh, dw, _, _ = linear_cross_entropy_forward(hidden, weight, targets, ignore_index, label_smoothing, z_loss,
+                                                      softcap, grad_rows.float(), need_dh, need_dw, compute_dtype)
     return dh, dw
 
 
@@ -164,19 +183,21 @@ def linear_cross_entropy_backward(grad_rows: torch.Tensor, hidden: torch.Tensor,
 @torch.library.custom_op("tritonlm::linear_cross_entropy_fwd", mutates_args=())
 def _lce_fwd_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
                 label_smoothing: float, z_loss: float, softcap: float | None, grad_scale: torch.Tensor,
-                need_dh: bool, need_dw: bool, compute_dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                need_dh: bool, need_dw: bool, compute_dtype: torch.dtype, want_argmax: bool, want_entropy: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return linear_cross_entropy_forward(hidden, weight, targets, ignore_index, label_smoothing, z_loss, softcap,
-                                        grad_scale, need_dh, need_dw, compute_dtype)
+                                        grad_scale, need_dh, need_dw, compute_dtype, want_argmax, want_entropy)
 
 
 @_lce_fwd_op.register_fake
 def _(hidden, weight, targets, ignore_index, label_smoothing, z_loss, softcap, grad_scale, need_dh, need_dw,
-      compute_dtype):
+      compute_dtype, want_argmax, want_entropy):
     rows = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
     dh = torch.empty_like(hidden) if need_dh else hidden.new_empty(0)
     dw = weight.new_empty(weight.shape, dtype=torch.float32) if need_dw else hidden.new_empty(0)
-    return rows, torch.empty_like(rows), dh, dw
+    n = hidden.shape[0]
+    return (rows, torch.empty_like(rows), dh, dw, hidden.new_empty(n if want_argmax else 0, dtype=torch.int64),
+            hidden.new_empty(n if want_entropy else 0, dtype=torch.float32))
 
 
 @torch.library.custom_op("tritonlm::linear_cross_entropy_bwd", mutates_args=())
@@ -204,28 +225,29 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, ignore_index, label_smoothing, z_loss, softcap, reduction,
-                compute_dtype):
+                compute_dtype, want_argmax=False, want_entropy=False):
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grads_now = reduction != "none"
         n_valid, scale = mean_scale(targets, ignore_index, reduction)
         # (meta tensors run the real chunk loop too, so memory accounting sees every chunk buffer)
         fwd = _lce_fwd_op if torch.compiler.is_compiling() else linear_cross_entropy_forward
         with kernel_range("tritonlm::linear_cross_entropy_fwd"):
-            loss, z_term, dh, dw = fwd(hidden, weight, targets, ignore_index, label_smoothing, z_loss, softcap,
-                                       scale, grads_now and need_dh, grads_now and need_dw, compute_dtype)
+            loss, z_term, dh, dw, predicted, entropy = fwd(
+                hidden, weight, targets, ignore_index, label_smoothing, z_loss, softcap, scale,
+                grads_now and need_dh, grads_now and need_dw, compute_dtype, want_argmax, want_entropy)
         ctx.reduction, ctx.compute_dtype, ctx.weight_dtype = reduction, compute_dtype, weight.dtype
         ctx.opts = (ignore_index, label_smoothing, z_loss, softcap)
         if grads_now:
             ctx.save_for_backward(dh, dw)
         else:
             ctx.save_for_backward(hidden, weight, targets)
-        ctx.mark_non_differentiable(z_term)
-        return reduce_loss(loss, n_valid, reduction, loss.shape), reduce_loss(z_term, n_valid, reduction,
-                                                                              loss.shape)
+        ctx.mark_non_differentiable(z_term, predicted, entropy)
+        return (reduce_loss(loss, n_valid, reduction, loss.shape), reduce_loss(z_term, n_valid, reduction, loss.shape),
+                predicted, entropy)
 
     @staticmethod
     @first_order_backward
-    def backward(ctx, grad_loss, _grad_z):
+    def backward(ctx, grad_loss, _grad_z, _grad_predicted=None, _grad_entropy=None):
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if ctx.reduction != "none":
             # the finished gradients are private buffers: scaled in place (no second [vocab, d] fp32 copy),
@@ -247,7 +269,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             dh = dh.mul_(g.to(dh.dtype))
         if need_dw:
             dw = (dw.mul_(g) if g is not None else dw).to(ctx.weight_dtype)
-        return (dh if need_dh else None), (dw if need_dw else None), None, None, None, None, None, None, None
+        return (dh if need_dh else None), (dw if need_dw else None), None, None, None, None, None, None, None, None, None
 
 
 def _autocast_dtype(device_type: str) -> torch.dtype | None:
@@ -265,7 +287,8 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                          ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
                          softcap: float | None = None, reduction: str = "mean", return_z_loss: bool = False,
-                         check_targets: bool = True):
+                         check_targets: bool = True, return_token_accuracy: bool = False,
+                         return_predicted_tokens: bool = False, return_entropy: bool = False):
     """``cross_entropy(hidden @ weightᵀ, targets)`` without materialising the ``[tokens, vocab]`` logits.
 
     Args:
@@ -276,6 +299,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         return_z_loss: also return the z-loss term, reduced like the loss and not differentiable.
         check_targets: verify every target is in range or ``ignore_index`` (one host sync); pass False for targets
             already validated (a training loop whose data was checked once), keeping the step free of syncs.
+        return_token_accuracy, return_predicted_tokens, return_entropy: return a
+            :class:`~tritonlm.kernels.cross_entropy_loss.CrossEntropyOutput` with these metrics (Liger's fields, plus
+            each token's entropy), read from each chunk of logits before the loss kernel turns it into its gradient;
+            not differentiable.
 
     Returns the exact loss (not an approximation); gradients flow to ``hidden`` and ``weight``.
     """
@@ -296,10 +323,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     if check_targets:
         _check_targets("linear_cross_entropy", targets, weight.shape[0], ignore_index)
     compute_dtype = _autocast_dtype(hidden.device.type) or hidden.dtype
-    loss, z_term = LinearCrossEntropyFunction.apply(
+    loss, z_term, predicted, entropy = LinearCrossEntropyFunction.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), int(ignore_index),
         float(label_smoothing), float(z_loss), None if softcap is None else float(softcap), reduction,
-        compute_dtype)
+        compute_dtype, bool(return_token_accuracy or return_predicted_tokens), bool(return_entropy))
     if reduction == "none":
         loss, z_term = loss.view(targets.shape), z_term.view(targets.shape)
-    return (loss, z_term) if return_z_loss else loss
+    return metrics_output(loss, z_term, predicted, entropy, targets, ignore_index, return_z_loss=return_z_loss,
+                          return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens,
+                          return_entropy=return_entropy)

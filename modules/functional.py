@@ -326,3 +326,35 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
             out[b, t] = einsum(state, q[b, t], "heads d_k d_v, heads d_k -> heads d_v")
         finals.append(state)
     return out.to(out_dtype), (torch.stack(finals) if output_final_state else None)
+
+
+def log_probs(logits: torch.Tensor, targets: torch.Tensor | None = None, *, temperature: float = 1.0,
+              ignore_index: int = -100, softcap: float | None = None):
+    """``(log p_t, H)`` per position of ``softmax(cap(logits) / temperature)``, in fp32: the chosen token's
+    log-probability (0 at ``ignore_index``; None without targets) and the entropy ``-Σ p log p`` (the readable twin of
+    :func:`tritonlm.kernels.linear_log_probs`, :func:`~tritonlm.kernels.selective_log_softmax`,
+    :func:`~tritonlm.kernels.entropy_from_logits`)."""
+    z = logits.float()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    log_p = torch.log_softmax(z / temperature, dim=-1)
+    entropy = -einsum(log_p.exp(), log_p, "... vocab, ... vocab -> ...")
+    if targets is None:
+        return None, entropy
+    keep = targets != ignore_index
+    chosen = log_p.gather(-1, torch.where(keep, targets, 0).long().unsqueeze(-1)).squeeze(-1)
+    return torch.where(keep, chosen, 0.0), torch.where(keep, entropy, 0.0)
+
+
+def divergence(student_logp: torch.Tensor, teacher_logp: torch.Tensor, beta: float = 0.5) -> torch.Tensor:
+    """Per position, the generalised JSD of the teacher ``P`` and the student ``Q`` given as log-probabilities
+    (``beta`` 0: ``KL(P || Q)``, 1: ``KL(Q || P)``; else ``β KL(P || M) + (1 - β) KL(Q || M)``, ``M = β P + (1 - β)
+    Q``), in fp32: the readable twin of :func:`tritonlm.kernels.jsd`."""
+    x, y = student_logp.float(), teacher_logp.float()
+    p, q = y.exp(), x.exp()
+    if beta == 0:
+        return (p * (y - x)).sum(-1)
+    if beta == 1:
+        return (q * (x - y)).sum(-1)
+    log_m = torch.logaddexp(y + math.log(beta), x + math.log(1 - beta))
+    return (beta * p * (y - log_m) + (1 - beta) * q * (x - log_m)).sum(-1)

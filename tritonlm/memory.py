@@ -135,6 +135,18 @@ def _skip_triton_launches():
         InterpretedFunction.run = original
 
 
+def _eager_and_fused_peaks(eager, fused, leaves, device) -> dict:
+    """``{"eager", "fused", "ratio"}``: the peak live bytes of each (gradients of ``leaves`` cleared before each)."""
+    out = {}
+    for name, fn in (("eager", eager), ("fused", fused)):
+        for t in leaves:
+            t.grad = None
+        with _skip_triton_launches() if torch.device(device).type == "meta" else contextlib.nullcontext():
+            out[name] = peak_live_bytes(fn)[1]
+    out["ratio"] = out["fused"] / out["eager"]
+    return out
+
+
 def lm_head_loss_peak_bytes(n_tokens: int, d_model: int, vocab_size: int, dtype: torch.dtype = torch.float32,
                             device="meta") -> dict:
     """Peak live tensor bytes of forward + backward of LM head + loss: eager (``hidden @ Wᵀ`` then
@@ -158,10 +170,27 @@ def lm_head_loss_peak_bytes(n_tokens: int, d_model: int, vocab_size: int, dtype:
     def fused():
         linear_cross_entropy(hidden, weight, targets).backward()
 
-    out = {}
-    for name, fn in (("eager", eager), ("fused", fused)):
-        hidden.grad = weight.grad = None
-        with _skip_triton_launches() if torch.device(device).type == "meta" else contextlib.nullcontext():
-            out[name] = peak_live_bytes(fn)[1]
-    out["ratio"] = out["fused"] / out["eager"]
-    return out
+    return _eager_and_fused_peaks(eager, fused, (hidden, weight), device)
+
+
+def log_probs_peak_bytes(n_tokens: int, d_model: int, vocab_size: int, dtype: torch.dtype = torch.float32,
+                         device="meta") -> dict:
+    """Peak live tensor bytes of forward + backward of per-token log-probabilities and entropy (the post-training
+    head): the materialised-logits torch path (``log_softmax(hidden @ Wᵀ)``, gather, ``-Σ p log p``) vs fused
+    ``linear_log_probs(..., return_entropy=True)``, hidden and weight requiring gradients. ``device`` as in
+    :func:`lm_head_loss_peak_bytes` (meta: any size, instantly)."""
+    from .kernels import linear_log_probs
+
+    hidden = torch.randn(n_tokens, d_model, dtype=dtype, device=device, requires_grad=True)
+    weight = torch.randn(vocab_size, d_model, dtype=dtype, device=device, requires_grad=True)
+    targets = torch.randint(0, vocab_size, (n_tokens,), device=device)
+
+    def eager():
+        z = torch.log_softmax((hidden @ weight.t()).float(), -1)
+        (z.gather(-1, targets[:, None])[:, 0].sum() - (z.exp() * z).sum()).backward()
+
+    def fused():
+        log_p, entropy = linear_log_probs(hidden, weight, targets, return_entropy=True)
+        (log_p.sum() + entropy.sum()).backward()
+
+    return _eager_and_fused_peaks(eager, fused, (hidden, weight), device)

@@ -3,4 +3,4 @@ opcheck and double-backward cases the tooling and the tests read. The kernel fil
 launcher); op packages (``attention/``, ``moe/``) keep theirs in ``registration.py``. Imported by
 ``tritonlm.kernels`` after the kernel files, in the order of the SASS report and the op suite."""
 
-from . import rmsnorm, qk_norm, rms_norm_gated, causal_conv1d, swiglu, rope, cross_entropy, linear_cross_entropy  # noqa: F401,I001
+from . import rmsnorm, qk_norm, rms_norm_gated, causal_conv1d, swiglu, rope, cross_entropy, linear_cross_entropy, log_probs  # noqa: F401,I001

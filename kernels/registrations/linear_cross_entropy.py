@@ -13,7 +13,7 @@ from ..linear_cross_entropy_loss import linear_cross_entropy
 def _opcheck_cases() -> dict[str, list[tuple]]:
     x, head, one = torch.randn(6, 40), torch.randn(11, 40), torch.ones(1)
     return {"linear_cross_entropy_fwd": [(x, head, torch.randint(0, 11, (6,)), -100, 0.0, 0.0, 30.0, one, True, True,
-                                          torch.float32)],
+                                          torch.float32, True, True)],
             "linear_cross_entropy_bwd": [(torch.rand(6), x, head, torch.randint(0, 11, (6,)), -100, 0.0, 0.0, None,
                                           True, True, torch.float32)]}
 

@@ -5,6 +5,7 @@
   half-split layout and this library's interleaved pairs where a family uses the former). One record per family,
   in :mod:`tritonlm.hf.families` (:mod:`tritonlm.hf.family`: what a record holds).
 * :func:`apply_kernels` / :func:`remove_kernels`: patch an HF model instance in place with the fused kernels.
+* :func:`log_probs_from_model`: per-token log-probabilities / entropy of a causal LM without its logits.
 * :func:`model_config_from_hf`: the :class:`~tritonlm.config.ModelConfig` of an HF config dict (plain JSON,
   no optional dependency).
 
@@ -39,6 +40,7 @@ from .checkpoint import (  # noqa: E402
     save_pretrained,
     supported_models,
 )
+from .heads import log_probs_from_model  # noqa: E402
 from .patch import apply_kernels, remove_kernels  # noqa: E402
 
 #: model_type -> what works with it: architecture, from/save_pretrained, apply_kernels, tokenizer.json kind, notes
@@ -47,4 +49,4 @@ from .patch import apply_kernels, remove_kernels  # noqa: E402
 SUPPORTED_MODELS = supported_models()
 
 __all__ = ["from_pretrained", "save_pretrained", "apply_kernels", "remove_kernels", "model_config_from_hf",
-           "read_hf_config", "SUPPORTED_MODELS", "readme_table"]
+           "read_hf_config", "SUPPORTED_MODELS", "readme_table", "log_probs_from_model"]
