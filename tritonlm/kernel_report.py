@@ -43,7 +43,7 @@ class Launch:
     dot_precision: str | None = None  # fp32 attention: the DOT_PRECISION ("ieee" / "tf32") its tl.dots take
     fp_fusion: bool | None = None  # the launch's enable_fp_fusion (None: Triton's default)
     unit: str = ""  # the work of one main-loop iteration (SassLaunch.unit) and how many of them
-    units_per_iteration: int = 0
+    units_per_iteration: float = 0
     per_warp: bool = False
     shipped: bool = True
     peer: str | None = None  # a peer library's kernel ("liger-kernel 0.8.5"), compiled the same way
@@ -144,7 +144,7 @@ def representative_launches(quick: bool = False, arch: str = "sm_90") -> list[La
                 launch.shipped = case.shipped
                 if row.per_iteration is not None:
                     launch.unit, launch.per_warp = row.unit, row.per_warp
-                    launch.units_per_iteration = int(row.per_iteration(launch.constexprs))
+                    launch.units_per_iteration = row.per_iteration(launch.constexprs)
                 out.append(launch)
     return out
 

@@ -14,6 +14,11 @@ strides, read in place). The pre-activation buffer is always stacked (``[gate | 
 maps its columns to weight rows. Optional biases (``HAS_BIAS``: gpt-oss): ``gate_up_bias [E, 2I]`` (laid out like
 the weight's rows) is added to the pre-activations, ``down_bias [E, H]`` inside each expert, before the routing
 weight.
+
+``PRE`` rows are ``3I`` wide: the gate and up pre-activations, then the gated unit ``h`` of the rounded pair, formed
+once by the up projection's epilogue. The down projection and the ``d down`` weight gradient read ``h`` as a GEMM
+operand (recomputing it for every output tile cost ~350 instructions per K iteration around 2 HGMMAs); the price is
+``T·K·I`` more saved elements (a Mixtral-8x7B layer at 8K tokens, bf16: 448 MiB beside the 896 MiB of gate / up).
 """
 
 from __future__ import annotations
@@ -82,11 +87,13 @@ def _row_tile(TILE_EXPERT, TILE_START, TILE_END, PAIR, W, stride_we, top_k, n_co
 @triton.jit
 def _up_kernel(X, W, BIAS, PRE, PAIR, TILE_EXPERT, TILE_START, TILE_END,
                stride_xt, stride_we, stride_wr, stride_wc, stride_be, stride_pr,
-               n_experts, top_k, d_model, d_ff,
+               n_experts, top_k, d_model, d_ff, alpha, limit, ACTIVATION: tl.constexpr,
                INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``PRE[r] = [x_t @ gate[e]ᵀ, x_t @ up[e]ᵀ]`` (+ the gate_up bias) for one row tile x ``BLOCK_N`` columns of
-    each half."""
+    """``PRE[r] = [x_t @ gate[e]ᵀ, x_t @ up[e]ᵀ, h]`` (+ the gate_up bias) for one row tile x ``BLOCK_N`` columns of
+    each third: ``h`` the gated unit (:func:`_glu`) of the two rounded pre-activations, formed here once in the
+    epilogue, so the down projection and its weight gradient read it as a plain GEMM operand instead of recomputing
+    it for every output tile."""
     expert, rows, row_mask, pairs, tokens, cols, col_mask, w_expert = _row_tile(
         TILE_EXPERT, TILE_START, TILE_END, PAIR, W, stride_we, top_k, d_ff, BLOCK_M, BLOCK_N)
     if expert >= n_experts:
@@ -132,20 +139,25 @@ def _up_kernel(X, W, BIAS, PRE, PAIR, TILE_EXPERT, TILE_START, TILE_END,
             b_expert + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         acc_up = acc_up.to(PRE.dtype.element_ty).to(tl.float32) + tl.load(
             b_expert + cols + d_ff, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    # ---- store both pre-activations, in sorted row order (what the down projection and the backward read)
+    # ---- store both pre-activations and the gated unit of the rounded ones, in sorted row order (what the down
+    # projection and the backward read)
     out = PRE + rows[:, None] * stride_pr + cols[None, :]
     mask = row_mask[:, None] & col_mask[None, :]
-    tl.store(out, acc_gate.to(PRE.dtype.element_ty), mask=mask)
-    tl.store(out + d_ff, acc_up.to(PRE.dtype.element_ty), mask=mask)
+    gate_r = acc_gate.to(PRE.dtype.element_ty)
+    up_r = acc_up.to(PRE.dtype.element_ty)
+    h, _, _ = _glu(gate_r.to(tl.float32), up_r.to(tl.float32), alpha, limit, ACTIVATION)
+    tl.store(out, gate_r, mask=mask)
+    tl.store(out + d_ff, up_r, mask=mask)
+    tl.store(out + 2 * d_ff, h.to(PRE.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _down_kernel(PRE, W, BIAS, WEIGHTS, Y, PAIR, TILE_EXPERT, TILE_START, TILE_END,
                  stride_pr, stride_we, stride_wr, stride_wc, stride_be, stride_yp,
-                 n_experts, top_k, d_model, d_ff, alpha, limit, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 n_experts, top_k, d_model, d_ff, HAS_BIAS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``Y[p] = w[p] · (h @ down[e]ᵀ [+ down_bias[e]])`` with ``h`` the gated unit (:func:`_glu`) of the saved
-    pre-activations, formed on load (never stored), for one row tile x ``BLOCK_N`` model columns."""
+    """``Y[p] = w[p] · (h @ down[e]ᵀ [+ down_bias[e]])`` with ``h`` the gated unit the up projection stored (the
+    last third of ``PRE``'s row), for one row tile x ``BLOCK_N`` model columns: a plain grouped GEMM."""
     expert, rows, row_mask, pairs, tokens, cols, col_mask, w_expert = _row_tile(
         TILE_EXPERT, TILE_START, TILE_END, PAIR, W, stride_we, top_k, d_model, BLOCK_M, BLOCK_N)
     if expert >= n_experts:
@@ -154,15 +166,12 @@ def _down_kernel(PRE, W, BIAS, WEIGHTS, Y, PAIR, TILE_EXPERT, TILE_START, TILE_E
     for k0 in range(0, d_ff, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < d_ff
-        a_mask = row_mask[:, None] & k_mask[None, :]
-        pre = PRE + rows[:, None] * stride_pr + ks[None, :]
-        gate = tl.load(pre, mask=a_mask, other=0.0).to(tl.float32)
-        up = tl.load(pre + d_ff, mask=a_mask, other=0.0).to(tl.float32)
-        h, _, _ = _glu(gate, up, alpha, limit, ACTIVATION)
+        h = tl.load(PRE + rows[:, None] * stride_pr + 2 * d_ff + ks[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w_down = tl.load(w_expert + cols[None, :] * stride_wr + ks[:, None] * stride_wc,
                          mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        # (the product rounds to the weights' dtype before the matmul, as an eager bf16 FFN does)
-        acc = tl.dot(h.to(w_down.dtype), w_down, acc, input_precision=DOT_PRECISION)
+        # (h was rounded to the weights' dtype when stored, as an eager bf16 FFN rounds it before the matmul)
+        acc = tl.dot(h, w_down, acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:  # inside the expert, before its routing weight (rounded like an eager ``h @ W + b``)
         acc = acc.to(Y.dtype.element_ty).to(tl.float32) + tl.load(
             BIAS + expert.to(tl.int64) * stride_be + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -264,7 +273,8 @@ def _weight_grad_kernel(A, B, WEIGHTS, DW, PAIR, EXPERT_START,
 
     ``DOWN=False`` (``d gate_up``): ``A_r = dPRE[r]`` (``2I`` wide, stacked; with ``INTERLEAVED`` the output rows
     are the weight's interleaved ones), ``B_r = x_t``. ``DOWN=True`` (``d down``): ``A_r = w[p] · dout_t`` (``H``
-    wide), ``B_r = h`` (the gated unit of ``PRE[r]``). ``ONES_B`` (a bias gradient, ``n_cols_out`` 1): ``B_r = 1``,
+    wide, formed once per sorted row by :func:`_scale_rows_kernel`, so no gradient tile gathers and scales it
+    again), ``B_r = h`` (the gated unit the up projection stored in ``PRE[r]``). ``ONES_B`` (a bias gradient, ``n_cols_out`` 1): ``B_r = 1``,
     so ``DW[e][m, 0] = Σ_r A_r[m]``. Each element of a weight gradient is summed by one program, in row order:
     deterministic, no atomics."""
     pid_m, pid_n, expert = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -283,19 +293,14 @@ def _weight_grad_kernel(A, B, WEIGHTS, DW, PAIR, EXPERT_START,
         rows = rows.to(tl.int64)
         b_mask = r_mask[:, None] & n_mask[None, :]
         if DOWN:
-            # A: dout rows of the tokens, times their routing weights; B: h, the gated unit
-            a = tl.load(A + tokens[:, None] * stride_a + offs_m[None, :], mask=r_mask[:, None] & m_mask[None, :],
-                        other=0.0).to(tl.float32)
-            a = a * tl.load(WEIGHTS + pairs, mask=r_mask, other=0.0).to(tl.float32)[:, None]
+            # A: the sorted rows' w[p] · dout_t (:func:`_scale_rows_kernel`); B: h, the gated unit
+            a = tl.load(A + rows[:, None] * stride_a + offs_m[None, :], mask=r_mask[:, None] & m_mask[None, :],
+                        other=0.0)
             if ONES_B:
                 b = tl.where(b_mask, 1.0, 0.0)
-            else:
-                pre = B + rows[:, None] * stride_b + offs_n[None, :]
-                gate = tl.load(pre, mask=b_mask, other=0.0).to(tl.float32)
-                up = tl.load(pre + d_ff, mask=b_mask, other=0.0).to(tl.float32)
-                b, _, _ = _glu(gate, up, alpha, limit, ACTIVATION)
+            else:  # (h, stored by the up projection: the last third of PRE's row)
+                b = tl.load(B + rows[:, None] * stride_b + 2 * d_ff + offs_n[None, :], mask=b_mask, other=0.0)
             b = b.to(DW.dtype.element_ty)
-            a = a.to(DW.dtype.element_ty)
         else:
             # A: dPRE rows; B: the tokens' input rows
             a = tl.load(A + rows[:, None] * stride_a + offs_m[None, :], mask=r_mask[:, None] & m_mask[None, :],
@@ -308,3 +313,20 @@ def _weight_grad_kernel(A, B, WEIGHTS, DW, PAIR, EXPERT_START,
     out_rows = offs_m if DOWN else _gu_row(offs_m, n_rows_out // 2, INTERLEAVED)
     out = DW + expert.to(tl.int64) * stride_de + out_rows[:, None] * stride_dr + offs_n[None, :] * stride_dc
     tl.store(out, acc.to(DW.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _scale_rows_kernel(DOUT, WEIGHTS, PAIR, OUT, stride_dt, stride_o, n_pairs, top_k, d_model,
+                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``OUT[r] = w[p] · dout_t`` for sorted row ``r`` (pair ``p = PAIR[r]``, token ``t = p // K``), in fp32 then
+    rounded to ``OUT``'s dtype: the ``d down`` weight gradient's left operand, gathered and scaled once."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    r_mask = rows < n_pairs
+    pairs = tl.load(PAIR + rows, mask=r_mask, other=0).to(tl.int64)
+    tokens = pairs // top_k
+    mask = r_mask[:, None] & (cols < d_model)[None, :]
+    dout = tl.load(DOUT + tokens[:, None] * stride_dt + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    weight = tl.load(WEIGHTS + pairs, mask=r_mask, other=0.0).to(tl.float32)
+    tl.store(OUT + rows.to(tl.int64)[:, None] * stride_o + cols[None, :], (dout * weight[:, None])
+             .to(OUT.dtype.element_ty), mask=mask)

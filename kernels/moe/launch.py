@@ -18,7 +18,14 @@ import triton
 from .. import tuned
 from .._common import check_device, check_float, dot_precision, first_order_backward, on_gpu, use_custom_op
 from .._ranges import kernel_range
-from .kernels import _down_bwd_kernel, _down_kernel, _dx_kernel, _up_kernel, _weight_grad_kernel
+from .kernels import (
+    _down_bwd_kernel,
+    _down_kernel,
+    _dx_kernel,
+    _scale_rows_kernel,
+    _up_kernel,
+    _weight_grad_kernel,
+)
 from .routing import Routing, max_tiles, route
 
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_clamped")
@@ -30,8 +37,9 @@ ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_clamped")
 BLOCK_M_GPU = 64
 #: (BLOCK_N, BLOCK_K, num_warps, num_stages) per row-tile kernel on GPUs, 16-bit inputs: the up projection and the
 #: down backward hold two fp32 accumulators / an epilogue over both halves, so narrower column tiles; the down
-#: projection forms act(gate) * up on load, and with 64-wide reduction steps spills on sm_80 (8 B; 32: none).
-ROW_TILE_CONFIGS = {"up": (64, 64, 4, 3), "down": (128, 32, 8, 3), "down_bwd": (64, 64, 4, 3), "dx": (128, 64, 8, 3)}
+#: projection is a plain grouped GEMM over the stored gated unit (it formed act(gate) * up on load before, which
+#: needed 32-wide reduction steps to stay spill-free on sm_80).
+ROW_TILE_CONFIGS = {"up": (64, 64, 4, 3), "down": (128, 64, 8, 3), "down_bwd": (64, 64, 4, 3), "dx": (128, 64, 8, 3)}
 #: (BLOCK_M, BLOCK_N, BLOCK_R, num_warps, num_stages) of the weight-gradient kernel on GPUs.
 WEIGHT_GRAD_CONFIG = (128, 128, 32, 8, 3)
 #: The interpreter runs whole tiles as numpy ops: small tiles keep tests of odd shapes quick.
@@ -99,7 +107,7 @@ def moe_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
                 gate_up_proj: torch.Tensor, down_proj: torch.Tensor, activation: str, routing: Routing | None = None,
                 *, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
                 spec: Spec | None = None):
-    """``(out [T, H], pre [T·K, 2I], routing)`` for ``hidden [T, H]``, ``top_k_index / top_k_weights [T, K]``;
+    """``(out [T, H], pre [T·K, 3I], routing)`` (``pre``: gate, up, and the gated unit h, per row) for ``hidden [T, H]``, ``top_k_index / top_k_weights [T, K]``;
     ``spec`` (default: ``activation``, stacked rows) names the gated unit and the gate/up layout."""
     spec = spec or Spec(activation)
     n_tokens, d_model = hidden.shape
@@ -109,7 +117,7 @@ def moe_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     hidden, weights = _rows(hidden), top_k_weights.reshape(-1).contiguous()
     if routing is None:
         routing = route(top_k_index.reshape(-1), n_experts, _block_m(hidden.device))
-    pre = torch.empty(n_pairs, d_ff2, dtype=hidden.dtype, device=hidden.device)
+    pre = torch.empty(n_pairs, 3 * d_ff, dtype=hidden.dtype, device=hidden.device)  # [gate | up | h] per row
     y = torch.empty(n_pairs, d_model, dtype=hidden.dtype, device=hidden.device)
     if n_pairs == 0:
         return y.view(n_tokens, top_k, d_model).sum(1), pre, routing
@@ -121,13 +129,13 @@ def moe_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     _up_kernel[(n_tiles, triton.cdiv(d_ff, cfg["BLOCK_N"]))](
         hidden, gate_up_proj, _bias_or(gate_up_bias, pre), pre, *tile_map, hidden.stride(0), *gate_up_proj.stride(),
         gate_up_bias.stride(0) if gate_up_bias is not None else 0, pre.stride(0), n_experts, top_k, d_model, d_ff,
-        INTERLEAVED=spec[3], HAS_BIAS=gate_up_bias is not None, BLOCK_M=block_m, **cfg, **precision)
+        **spec.kernel_args(), ACTIVATION=spec.activation, INTERLEAVED=spec[3], HAS_BIAS=gate_up_bias is not None,
+        BLOCK_M=block_m, **cfg, **precision)
     cfg = _row_tile_config("down", hidden.dtype, hidden.device)
     _down_kernel[(n_tiles, triton.cdiv(d_model, cfg["BLOCK_N"]))](
         pre, down_proj, _bias_or(down_bias, pre), weights, y, *tile_map, pre.stride(0), *down_proj.stride(),
         down_bias.stride(0) if down_bias is not None else 0, y.stride(0), n_experts, top_k, d_model, d_ff,
-        **spec.kernel_args(), ACTIVATION=spec.activation, HAS_BIAS=down_bias is not None, BLOCK_M=block_m, **cfg,
-        **precision)
+        HAS_BIAS=down_bias is not None, BLOCK_M=block_m, **cfg, **precision)
     out = y.view(n_tokens, top_k, d_model)
     return (out[:, 0] if top_k == 1 else out.sum(1)), pre, routing
 
@@ -154,7 +162,7 @@ def moe_backward(dout: torch.Tensor, hidden: torch.Tensor, top_k_weights: torch.
     # ---- dPRE and the routing weights' gradient (one partial per FFN column tile, summed below)
     cfg = _row_tile_config("down_bwd", hidden.dtype, hidden.device)
     n_col_tiles = triton.cdiv(d_ff, cfg["BLOCK_N"])
-    d_pre = torch.empty_like(pre)
+    d_pre = torch.empty(n_pairs, d_ff2, dtype=pre.dtype, device=pre.device)  # (gate and up only)
     d_weight_parts = torch.zeros(n_col_tiles, n_pairs, dtype=torch.float32, device=hidden.device)
     dxp = torch.empty(n_pairs, d_model, dtype=hidden.dtype, device=hidden.device)
     if n_pairs:
@@ -181,14 +189,20 @@ def moe_backward(dout: torch.Tensor, hidden: torch.Tensor, top_k_weights: torch.
             *out3.stride(), top_k, rows_out, cols_out, d_ff, DOWN=down, ONES_B=ones, BLOCK_N=block_n, **opts)
 
     weight_grad(d_pre, hidden, d_gate_up, d_ff2, d_model, False)
-    weight_grad(dout, pre, d_down, d_model, d_ff, True)
+    # (d down's left operand, w[p] · dout_t per sorted row, gathered and scaled once: T·K x H in dout's dtype)
+    scaled = torch.empty(n_pairs, d_model, dtype=dout.dtype, device=dout.device)
+    if n_pairs:
+        _scale_rows_kernel[(triton.cdiv(n_pairs, 32), triton.cdiv(d_model, 256))](
+            dout, weights, routing.pair_of_row, scaled, dout.stride(0), scaled.stride(0), n_pairs, top_k, d_model,
+            BLOCK_R=32, BLOCK_C=256, num_warps=4)
+    weight_grad(scaled, pre, d_down, d_model, d_ff, True)
     d_gate_up_bias = d_down_bias = None
     if gate_up_bias is not None:
         d_gate_up_bias = torch.empty(gate_up_bias.shape, dtype=gate_up_bias.dtype, device=hidden.device)
         weight_grad(d_pre, hidden, d_gate_up_bias.unsqueeze(-1), d_ff2, 1, False, ones=True)
     if down_bias is not None:
         d_down_bias = torch.empty(down_bias.shape, dtype=down_bias.dtype, device=hidden.device)
-        weight_grad(dout, pre, d_down_bias.unsqueeze(-1), d_model, 1, True, ones=True)
+        weight_grad(scaled, pre, d_down_bias.unsqueeze(-1), d_model, 1, True, ones=True)
     dx = dxp.view(n_tokens, top_k, d_model)
     dx = dx[:, 0] if top_k == 1 else dx.sum(1)
     d_weights = d_weight_parts.sum(0).view(n_tokens, top_k).to(top_k_weights.dtype)
@@ -215,7 +229,7 @@ def _(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, g
     n_pairs, n_experts = top_k_index.numel(), gate_up_proj.shape[0]
     n_tiles = max_tiles(n_pairs, n_experts, _block_m(hidden.device))
     i32 = dict(dtype=torch.int32, device=hidden.device)
-    return [hidden.new_empty(hidden.shape), hidden.new_empty(n_pairs, gate_up_proj.shape[1]),
+    return [hidden.new_empty(hidden.shape), hidden.new_empty(n_pairs, 3 * (gate_up_proj.shape[1] // 2)),
             torch.empty(n_pairs, **i32), torch.empty(n_experts + 1, **i32), *(torch.empty(n_tiles, **i32)
                                                                               for _ in range(3))]
 

@@ -17,6 +17,27 @@ from .launch import (
 )
 from .routing import Routing, max_tiles
 
+
+def _dot_kmac(c):
+    """One main-loop iteration of a row-tile GEMM: BLOCK_M x BLOCK_N outputs over BLOCK_K of the reduction."""
+    return c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_K"] / 1000
+
+
+def _up_kmac(c):
+    """The up projection's iteration feeds two accumulators (gate and up), BLOCK_N columns each."""
+    return 2 * _dot_kmac(c)
+
+
+def _weight_grad_kmac(c):
+    """A weight gradient's iteration: a BLOCK_M x BLOCK_N tile of the gradient over BLOCK_R routed rows."""
+    return c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_R"] / 1000
+
+
+def _gemm(kernel, index, flops, per_iteration=_dot_kmac):
+    """A grouped-GEMM report row, counted in warp-instructions per thousand multiply-adds of its main loop."""
+    return _registry.SassLaunch(kernel, index, flops, unit="kMAC", per_iteration=per_iteration, per_warp=True)
+
+
 L = _registry.SassLaunch
 
 #: Mixtral-8x7B's layer: 8192 tokens, H 4096, I 14336, 8 experts, top-2
@@ -36,7 +57,7 @@ def _meta_problem(dtype, tokens, d_model, d_ff, experts, top_k):
     i32 = dict(dtype=torch.int32, device=meta)
     routing = Routing(torch.empty(tokens * top_k, **i32), torch.empty(experts + 1, **i32),
                       *(torch.empty(n_tiles, **i32) for _ in range(3)))
-    pre = torch.empty(tokens * top_k, 2 * d_ff, dtype=dtype, device=meta)
+    pre = torch.empty(tokens * top_k, 3 * d_ff, dtype=dtype, device=meta)  # (gate | up | h)
     return hidden, index, weights, gate_up, down, routing, pre
 
 
@@ -53,12 +74,13 @@ def _sass_cases(quick: bool) -> list[_registry.SassCase]:
         down_flops = up_flops // 2
         cases.append(_registry.SassCase(
             case, lambda h=hidden, i=index, w=weights, g=gate_up, d=down, r=routing: moe_forward(h, i, w, g, d, "silu", r),
-            (L("moe.up", 0, up_flops), L("moe.down", 1, down_flops))))
+            (_gemm("moe.up", 0, up_flops, _up_kmac), _gemm("moe.down", 1, down_flops))))
         cases.append(_registry.SassCase(
             case, lambda h=hidden, w=weights, g=gate_up, d=down, p=pre, r=routing: moe_backward(
                 h, h, w, g, d, p, r, "silu"),
-            (L("moe.down_bwd", 0, down_flops), L("moe.dx", 1, up_flops), L("moe.dgate_up", 2, up_flops),
-             L("moe.ddown", 3, down_flops))))
+            (_gemm("moe.down_bwd", 0, down_flops), _gemm("moe.dx", 1, up_flops),
+             _gemm("moe.dgate_up", 2, up_flops, _weight_grad_kmac),
+             L("moe.scale_rows", 3), _gemm("moe.ddown", 4, down_flops, _weight_grad_kmac))))
     # gpt-oss-20b's layer as the patched HF module runs it: the parameters read in place through transposed views
     # (gate_up [E, H, 2I] with gate / up interleaved, down [E, I, H]), both biased, the clamped SwiGLU
     dtype, (tokens, d_model, d_ff, experts, top_k) = torch.bfloat16, GPT_OSS.values()
@@ -74,11 +96,11 @@ def _sass_cases(quick: bool) -> list[_registry.SassCase]:
     case = "T8192 H2880 I2880 E32 K4 gpt-oss bf16"
     cases.append(_registry.SassCase(
         case, lambda: moe_forward(hidden, index, weights, gate_up, down, spec.activation, routing, **biases),
-        (L("moe.gpt_oss_up", 0, up_flops), L("moe.gpt_oss_down", 1, up_flops // 2))))
+        (_gemm("moe.gpt_oss_up", 0, up_flops, _up_kmac), _gemm("moe.gpt_oss_down", 1, up_flops // 2))))
     cases.append(_registry.SassCase(
         case, lambda: moe_backward(hidden, hidden, weights, gate_up, down, pre, routing, spec.activation, **biases),
-        (L("moe.gpt_oss_down_bwd", 0, up_flops // 2), L("moe.gpt_oss_dx", 1, up_flops),
-         L("moe.gpt_oss_dgate_up", 2, up_flops), L("moe.gpt_oss_dgate_up_bias", 4))))
+        (_gemm("moe.gpt_oss_down_bwd", 0, up_flops // 2), _gemm("moe.gpt_oss_dx", 1, up_flops),
+         _gemm("moe.gpt_oss_dgate_up", 2, up_flops, _weight_grad_kmac), L("moe.gpt_oss_dgate_up_bias", 5))))
     return cases
 
 

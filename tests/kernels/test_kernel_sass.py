@@ -99,7 +99,8 @@ def test_elementwise_loads_are_vectorised(rows, arch):
     for r in rows:
         # (matmul kernels: async copies; the gated delta rule's chunks are matmuls, its recurrence reads one token's
         # q / k / v vectors per step against a register-resident state)
-        if r["arch"] != arch or r["kernel"].startswith(("attention", "moe", "gated_delta")):
+        if r["arch"] != arch or (r["kernel"].startswith(("attention", "moe", "gated_delta"))
+                                 and r["kernel"] != "moe.scale_rows"):
             continue
         # 128-bit loads, direct or as a pipelined loop's async copies (RMSNorm backward's rows)
         assert r["sass"].get("LDG.128", 0) + r["sass"].get("LDGSTS.128", 0) > 0, r
@@ -112,6 +113,16 @@ def test_elementwise_loads_are_vectorised(rows, arch):
             # whole vocab tiles load 128-bit vectors; the ragged last tile of an odd vocab (50257) cannot, and
             # its masked 16-bit loads are all there is besides: fewer of them than one tile's worth of lanes
             assert r["sass"].get("LDG.128") >= 2 and r["sass"].get("LDG.16", 0) <= 64, r
+            continue
+        if r["kernel"] == "moe.scale_rows":
+            # d down's scaled rows: dout's rows move as 128-bit vectors; each row's routing weight is one scalar
+            # 16-bit load (8 rows per thread at BLOCK_R 32)
+            assert r["sass"].get("LDG.128") >= 8 and r["sass"].get("STG.128") >= 8, r
+            assert r["sass"].get("LDG.16", 0) <= 8, r
+            continue
+        if r["kernel"].startswith("log_probs."):
+            # the vocab tiles load 128-bit vectors; the row's target logit is one scalar 16-bit gather per row
+            assert r["sass"].get("LDG.128") >= 4 and r["sass"].get("LDG.16", 0) <= 1, r
             continue
         assert not r["sass"].get("LDG.16") and not r["sass"].get("LDG.8"), r
 
@@ -126,7 +137,7 @@ def test_attention_uses_tensor_cores(rows):
                            "attention.sinks_fwd"):
             key = "HGMMA" if r["arch"] == "sm_90" else "HMMA"
             assert r["sass"].get(key, 0) > 0, r
-        if r["kernel"].startswith("moe."):  # the grouped GEMMs: wgmma on sm_90, mma on sm_80
+        if r["kernel"].startswith("moe.") and r["kernel"] != "moe.scale_rows":  # the grouped GEMMs: wgmma on sm_90, mma on sm_80
             key = "HGMMA" if r["arch"] == "sm_90" else "HMMA"
             assert r["sass"].get(key, 0) > 0, r
             # their tiles through async copies (a bias gradient's one operand tile may load straight to registers)

@@ -96,15 +96,15 @@ def test_gradients_are_deterministic():
 
 
 def test_backward_keeps_no_gathered_token_matrix():
-    """What autograd saves: the inputs, the [T·K, 2I] pre-activations and int32 routing metadata; never a
-    [T·K, H] copy of the gathered tokens (H chosen unlike every other size)."""
+    """What autograd saves: the inputs, the [T·K, 3I] pre-activations with the gated unit beside them and int32
+    routing metadata; never a [T·K, H] copy of the gathered tokens (H chosen unlike every other size)."""
     tokens, d_model, d_ff, experts, top_k = 12, 48, 20, 4, 2
     hidden, index, weights, gate_up, down = (t.float() for t in _problem(tokens, d_model, d_ff, experts, top_k))
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
         moe_experts(hidden.requires_grad_(), index.long(), weights, gate_up.requires_grad_(), down)
     assert (tokens * top_k, d_model) not in saved
-    assert (tokens * top_k, 2 * d_ff) in saved
+    assert (tokens * top_k, 3 * d_ff) in saved
 
 
 def test_routing_tile_map_against_a_loop():
