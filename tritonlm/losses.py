@@ -12,12 +12,15 @@ sequence's advantage ``A``::
                                                   masked mean of l - l_old, GSPO)
     loss_t = -min(ρ A, clip(ρ, 1 - ε_low, 1 + ε_high) A)          loss_type grpo / bnpo / dr_grpo / dapo
     loss_t = -sg(min(ρ, ε_high)) · A · l                          loss_type cispo (sg: no gradient)
+    loss_t = -(4 / τ) σ(τ (ρ - 1)) · A                            loss_type sapo (soft gate instead of a clip;
+                                                  τ = sapo_temperature_pos if A > 0 else sapo_temperature_neg)
     loss_t += β (exp(l_ref - l) - (l_ref - l) - 1)                the k3 estimate of KL(π || π_ref), β > 0
 
-reduced over the completion mask ``M`` (``attention_mask``): grpo ``mean_i(Σ_t M loss / Σ_t M)``; bnpo and dapo
+reduced over the completion mask ``M`` (``attention_mask``): grpo and sapo ``mean_i(Σ_t M loss / Σ_t M)``; bnpo and dapo
 ``Σ M loss / Σ M`` (dapo's normaliser is the global token count; one process here); dr_grpo ``Σ M loss / (B ·
 max_completion_length)``. Metrics, as TRL logs them: the masked mean KL (β > 0) and the clip ratios (the fraction of
-tokens whose ratio sits outside the clip range on the side the advantage's sign makes binding).
+tokens whose ratio sits outside the clip range on the side the advantage's sign makes binding; 0 for sapo, which
+clips nothing).
 
 DPO (``loss_type="sigmoid"``), over pairs whose inputs are stacked chosen-first (``[2B, T, d]``) with per-sequence
 log-probabilities ``π_c, π_r`` (sums over the non-ignored tokens; means with ``average_log_prob``) and the reference
@@ -38,7 +41,7 @@ from .kernels import fused_linear_jsd, jsd, linear_log_probs
 __all__ = ["grpo_loss", "dpo_loss", "simpo_loss", "LigerFusedLinearGRPOLoss", "LigerFusedLinearDPOLoss",
            "LigerFusedLinearSimPOLoss", "LigerFusedLinearJSD", "LigerJSD", "GRPO_LOSS_TYPES"]
 
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 
 
 def _check(name: str, ok: bool, why: str) -> None:
@@ -49,7 +52,8 @@ def _check(name: str, ok: bool, why: str) -> None:
 def grpo_loss(per_token_logps: torch.Tensor, attention_mask: torch.Tensor, advantages: torch.Tensor, *,
               old_per_token_logps: torch.Tensor | None = None, ref_per_token_logps: torch.Tensor | None = None,
               beta: float = 0.04, epsilon_low: float = 0.2, epsilon_high: float = 0.2, loss_type: str = "bnpo",
-              max_completion_length: int | None = None, importance_sampling_level: str = "token"):
+              max_completion_length: int | None = None, importance_sampling_level: str = "token",
+              sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05):
     """The GRPO loss (module docstring) of ``per_token_logps[B, T]`` under the completion mask ``attention_mask[B,
     T]`` and ``advantages[B]``. Returns ``(loss, metrics)`` with metrics a dict of scalars: ``clip_ratio``,
     ``low_clip``, ``high_clip`` and, with β > 0, ``kl``."""
@@ -65,6 +69,10 @@ def grpo_loss(per_token_logps: torch.Tensor, attention_mask: torch.Tensor, advan
                                                               f"[{per_token_logps.shape[0]}], got {tuple(advantages.shape)}")
     _check(op, beta == 0 or ref_per_token_logps is not None, "beta > 0 needs the reference model's log-probs "
                                                              "(ref_per_token_logps, or ref_input / ref_weight)")
+    if loss_type == "sapo":
+        _check(op, sapo_temperature_pos > 0 and sapo_temperature_neg > 0,
+               f"sapo_temperature_pos ({sapo_temperature_pos}) and sapo_temperature_neg ({sapo_temperature_neg}) "
+               "must be > 0")
     logps = per_token_logps.float()
     mask = attention_mask.to(logps.dtype)
     old = logps.detach() if old_per_token_logps is None else old_per_token_logps.float()
@@ -75,6 +83,9 @@ def grpo_loss(per_token_logps: torch.Tensor, attention_mask: torch.Tensor, advan
     ratio = torch.exp(log_ratio)
     if loss_type == "cispo":
         per_token = -torch.clamp(ratio, max=epsilon_high).detach() * adv * logps
+    elif loss_type == "sapo":  # (the gate's slope at ρ = 1 is 1 whatever τ: the 4 / τ)
+        tau = torch.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg)
+        per_token = -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * adv
     else:
         clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
         per_token = -torch.minimum(ratio * adv, clipped * adv)
@@ -84,7 +95,7 @@ def grpo_loss(per_token_logps: torch.Tensor, attention_mask: torch.Tensor, advan
         kl = torch.exp(diff) - diff - 1.0
         per_token = per_token + beta * kl
         metrics["kl"] = ((kl * mask).sum() / mask.sum().clamp_min(1.0)).detach()
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)).mean()
     elif loss_type == "dr_grpo":
         length = max_completion_length if max_completion_length is not None else per_token.shape[1]
@@ -92,8 +103,9 @@ def grpo_loss(per_token_logps: torch.Tensor, attention_mask: torch.Tensor, advan
     else:  # bnpo, dapo, cispo: over every completion token of the batch
         loss = (per_token * mask).sum() / mask.sum().clamp_min(1.0)
     ratio_t = ratio.expand_as(logps).detach()
-    low = ((ratio_t < 1.0 - epsilon_low) & (adv < 0)).to(mask.dtype)
-    high = ((ratio_t > 1.0 + epsilon_high) & (adv > 0)).to(mask.dtype)
+    clips = loss_type != "sapo"
+    low = ((ratio_t < 1.0 - epsilon_low) & (adv < 0) & clips).to(mask.dtype)
+    high = ((ratio_t > 1.0 + epsilon_high) & (adv > 0) & clips).to(mask.dtype)
     tokens = mask.sum().clamp_min(1.0)
     metrics.update(low_clip=(low * mask).sum() / tokens, high_clip=(high * mask).sum() / tokens,
                    clip_ratio=(((low + high) > 0).to(mask.dtype) * mask).sum() / tokens)
@@ -110,13 +122,14 @@ class LigerFusedLinearGRPOLoss(nn.Module):
     def __init__(self, beta: float = 0.04, compiled: bool = True, use_ref_model: bool = True, chunk_size: int = 1,
                  epsilon_low: float = 0.2, epsilon_high: float = 0.2, loss_type: str = "bnpo",
                  max_completion_length: int | None = None, importance_sampling_level: str = "token",
-                 temperature: float = 1.0):
+                 temperature: float = 1.0, sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05):
         super().__init__()
         _check("LigerFusedLinearGRPOLoss", loss_type in GRPO_LOSS_TYPES,
                f"loss_type {loss_type!r} is not supported (supported: {', '.join(GRPO_LOSS_TYPES)})")
         self.beta, self.use_ref_model, self.epsilon_low, self.epsilon_high = beta, use_ref_model, epsilon_low, epsilon_high
         self.loss_type, self.max_completion_length = loss_type, max_completion_length
         self.importance_sampling_level, self.temperature = importance_sampling_level, temperature
+        self.sapo_temperature_pos, self.sapo_temperature_neg = sapo_temperature_pos, sapo_temperature_neg
 
     def forward(self, _input, lin_weight, selected_token_ids, attention_mask, advantages, bias=None,
                 ref_per_token_logps=None, old_per_token_logps=None, ref_input=None, ref_weight=None, ref_bias=None):
@@ -133,7 +146,9 @@ class LigerFusedLinearGRPOLoss(nn.Module):
                                   ref_per_token_logps=ref_per_token_logps, beta=beta, epsilon_low=self.epsilon_low,
                                   epsilon_high=self.epsilon_high, loss_type=self.loss_type,
                                   max_completion_length=self.max_completion_length,
-                                  importance_sampling_level=self.importance_sampling_level)
+                                  importance_sampling_level=self.importance_sampling_level,
+                                  sapo_temperature_pos=self.sapo_temperature_pos,
+                                  sapo_temperature_neg=self.sapo_temperature_neg)
         return loss, ([metrics["kl"]] if "kl" in metrics else []) + [metrics["clip_ratio"]]
 
 

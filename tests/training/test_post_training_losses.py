@@ -32,8 +32,9 @@ def _fp64_logps(hidden, weight, ids, temperature=1.0):
     return torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0]
 
 
-def _fp64_grpo(logps, old, ref, mask, adv, beta, eps_low, eps_high, loss_type, max_len, level):
-    """TRL's GRPOTrainer._compute_loss, written out."""
+def _fp64_grpo(logps, old, ref, mask, adv, beta, eps_low, eps_high, loss_type, max_len, level, tau_pos=1.0,
+               tau_neg=1.05):
+    """TRL's GRPOTrainer._compute_loss, written out (SAPO's gate per token, by the advantage's sign)."""
     mask = mask.double()
     log_ratio = logps - old
     if level == "sequence":
@@ -42,12 +43,18 @@ def _fp64_grpo(logps, old, ref, mask, adv, beta, eps_low, eps_high, loss_type, m
     adv = adv.double()[:, None]
     if loss_type == "cispo":
         per_token = -torch.clamp(coef_1, max=eps_high).detach() * adv * logps
+    elif loss_type == "sapo":
+        coef_1 = coef_1.expand_as(logps)
+        per_token = torch.empty_like(coef_1)
+        for i in range(coef_1.shape[0]):
+            tau = tau_pos if adv[i, 0] > 0 else tau_neg
+            per_token[i] = -torch.sigmoid(tau * (coef_1[i] - 1)) * 4 / tau * adv[i, 0]
     else:
         coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
         per_token = -torch.min(coef_1 * adv, coef_2 * adv)
     if beta:
         per_token = per_token + beta * (torch.exp(ref - logps) - (ref - logps) - 1)
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
     if loss_type == "dr_grpo":
         return (per_token * mask).sum() / (per_token.shape[0] * max_len)
@@ -63,13 +70,15 @@ def test_grpo_matches_trl_formula(batch, loss_type, level):
     ref_hidden = hidden.detach() + 0.2 * torch.randn(B, T, D)
     module = losses.LigerFusedLinearGRPOLoss(beta=0.05, epsilon_low=0.2, epsilon_high=0.28 if loss_type != "cispo"
                                              else 5.0, loss_type=loss_type, max_completion_length=8,
-                                             importance_sampling_level=level, temperature=0.9)
+                                             importance_sampling_level=level, temperature=0.9,
+                                             sapo_temperature_pos=0.9, sapo_temperature_neg=1.3)
     loss, metrics = module(hidden, weight, ids, mask, adv, old_per_token_logps=old, ref_input=ref_hidden,
                            ref_weight=weight.detach())
     r_h, r_w = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
     logps = _fp64_logps(r_h, r_w, ids, 0.9)
     ref = _fp64_logps(ref_hidden, weight.detach(), ids, 0.9)
-    expected = _fp64_grpo(logps, old.double(), ref, mask, adv, 0.05, 0.2, module.epsilon_high, loss_type, 8, level)
+    expected = _fp64_grpo(logps, old.double(), ref, mask, adv, 0.05, 0.2, module.epsilon_high, loss_type, 8, level,
+                          0.9, 1.3)
     torch.testing.assert_close(loss.double(), expected, atol=1e-6, rtol=1e-5)
     _assert_grads(loss, expected, (hidden, weight), (r_h, r_w))
     # Liger's metrics: [kl, clip_ratio]; TRL's definitions
@@ -82,6 +91,10 @@ def test_grpo_matches_trl_formula(batch, loss_type, level):
         ratio = torch.exp(((logps.detach() - old.double()) * m).sum(-1) / m.sum(-1))[:, None].expand(B, T)
     a = adv.double()[:, None]
     region = ((ratio < 0.8) & (a < 0)) | ((ratio > 1 + module.epsilon_high) & (a > 0))
+    if loss_type == "sapo":
+        region = torch.zeros_like(region)  # (a soft gate: nothing is clipped)
+    elif level == "token":
+        assert region.any()  # (the shifted old log-probs put some tokens past the clip)
     torch.testing.assert_close(clip_ratio.double(), (region.double() * m).sum() / m.sum())
 
 
@@ -100,8 +113,10 @@ def test_grpo_without_old_log_probs_is_one_update_per_rollout(batch):
 
 def test_grpo_refusals(batch):
     hidden, weight, ids, mask, adv = batch
-    with pytest.raises(ValueError, match="loss_type 'sapo' is not supported"):
-        losses.LigerFusedLinearGRPOLoss(loss_type="sapo")
+    with pytest.raises(ValueError, match="loss_type 'gspo' is not supported"):
+        losses.LigerFusedLinearGRPOLoss(loss_type="gspo")
+    with pytest.raises(ValueError, match="sapo_temperature_pos .* must be > 0"):
+        losses.grpo_loss(torch.zeros(B, T), mask, adv, beta=0.0, loss_type="sapo", sapo_temperature_pos=0.0)
     with pytest.raises(ValueError, match="needs ref_per_token_logps or ref_input and ref_weight"):
         losses.LigerFusedLinearGRPOLoss(beta=0.1)(hidden, weight, ids, mask, adv)
     with pytest.raises(ValueError, match="importance_sampling_level 'batch'"):
