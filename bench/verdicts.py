@@ -124,6 +124,21 @@ def verdicts(report) -> list[dict]:
         if r["group"] == "conv1d":
             add(f"causal conv1d {r['case']}: >= 85% of copy bandwidth", r["pct_copy_bw"] >= 85,
                 f"{r['pct_copy_bw']:.0f}%")
+    post = [r for r in _rows(report, "post_training") if "error" not in r]
+    for group in sorted({r["group"] for r in post}):
+        by = {r["impl"]: r for r in post if r["group"] == group}
+        ours, eager, liger = by.get("tritonlm"), by.get("torch (materialised logits)"), by.get("liger-kernel")
+        if ours and eager and group == "logp+entropy fwd":
+            s = eager["ms"] / ours["ms"]
+            add("post-training log-prob + entropy fwd: >= 10x the materialised-logits path", s >= 10.0,
+                f"{s:.1f}x ({ours['ms']:.2f} ms vs {eager['ms']:.2f} ms)")
+        if ours and eager:
+            m = ours["peak_MiB"] / eager["peak_MiB"]
+            add(f"post-training {group}: peak memory <= 1/10 the materialised-logits path", m <= 0.1, f"{m:.3f}")
+        if ours and liger:
+            s, m = liger["ms"] / ours["ms"], ours["peak_MiB"] / liger["peak_MiB"]
+            add(f"post-training {group}: no slower than Liger at no more memory", s >= 1.0 and m <= 1.0,
+                f"{s:.2f}x Liger's speed, {m:.2f}x its peak memory")
     steps = [r for r in _rows(report, "train_step") if r.get("mean_s")]
     for preset in sorted({r["preset"] for r in steps}):
         by = {r["impl"]: r for r in steps if r["preset"] == preset}
