@@ -361,17 +361,20 @@ def _chunk_logits(buffer: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: tor
     return torch.addmm(b, h[lo:hi], w.t(), out=out)
 
 
-#: tokens per chunk at least: below linear_cross_entropy's 1024, so that at Qwen's vocabulary (151,936) an fp32 chunk
-#: is 297 MiB, under a tenth of one fp32 [8192, vocab] logits tensor; in bf16 the byte budget gives 768 rows there
-#: (each chunk's three matmuls still do ~340 flop per byte at d 4096: compute-bound on an H100)
-LOG_PROB_CHUNK_MIN_ROWS = 512
+#: the fused head's logits budget per chunk: half of linear_cross_entropy's, so that a chunk and its copy (Triton's
+#: interpreter holds one per launch on CPU) together stay under a tenth of one fp32 [8192, vocab] logits tensor
+LOG_PROB_CHUNK_BYTES = CHUNK_BYTES // 2
+#: tokens per chunk at least: at Qwen's vocabulary (151,936) an fp32 chunk is then 148 MiB; in bf16 the byte budget
+#: gives 384 rows there (each chunk's three matmuls still do ~270 flop per byte at d 4096: compute-bound on an H100)
+LOG_PROB_CHUNK_MIN_ROWS = 256
 
 
 def log_prob_chunk_rows(n_rows: int, n_vocab: int, element_size: int = 4) -> int:
-    """Tokens per chunk of the fused head: ``CHUNK_BYTES`` of logits (:func:`~tritonlm.kernels.
-    linear_cross_entropy_loss.chunk_rows`' budget and rounding) with a floor of :data:`LOG_PROB_CHUNK_MIN_ROWS`."""
+    """Tokens per chunk of the fused head: :data:`LOG_PROB_CHUNK_BYTES` of logits (rounded down to 128 rows, as
+    :func:`~tritonlm.kernels.linear_cross_entropy_loss.chunk_rows` does) with a floor of
+    :data:`LOG_PROB_CHUNK_MIN_ROWS`."""
     row_bytes = triton.cdiv(max(1, n_vocab), 16) * 16 * element_size
-    budget = CHUNK_BYTES // row_bytes // 128 * 128
+    budget = LOG_PROB_CHUNK_BYTES // row_bytes // 128 * 128
     return max(1, min(n_rows, max(LOG_PROB_CHUNK_MIN_ROWS, budget)))
 
 

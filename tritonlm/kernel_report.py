@@ -413,7 +413,8 @@ def format_markdown(rows: list[Row], title: str = "Kernel SASS report") -> str:
              "the causal half.", "",
              "Main loop: the instructions of the kernel's first innermost loop (its steady-state tiles; every loop "
              "the SASS holds in brackets, each counted once) and per unit of work: per key for attention (as one "
-             "warp issues them, for the tile's query rows), warp-instructions per logit / element for the others. "
+             "warp issues them, for the tile's query rows), warp-instructions per logit / element / token for the "
+             "others and per thousand multiply-adds (kMAC) for the MoE grouped GEMMs. "
              "Rows marked *alt* are sweep alternatives (evidence, not launched by default).", "",
              "| kernel | case | arch | config | regs | smem (static) | dynamic smem | CTAs/SM | spill (stack+local) "
              "| tensor-core | global loads | global stores | async copies | main loop (all loops) | per unit "
