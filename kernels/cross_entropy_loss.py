@@ -67,6 +67,8 @@ from ._common import (
     use_custom_op,
 )
 from ._ranges import kernel_range
+from ._vocab import capped, load_logit_tile
+from .log_probs import log_prob_stats
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -75,34 +77,12 @@ REDUCTIONS = ("mean", "sum", "none")
 # kernel
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
-def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
-    """``softcap · tanh(x / softcap)``; tanh(y) = 1 - 2 / (exp(2y) + 1) saturates cleanly at ±1."""
-    if HAS_SOFTCAP:
-        return softcap * (1.0 - 2.0 / (tl.exp(2.0 * x / softcap) + 1.0))
-    return x
-
-
-@triton.jit
-def _load_tile(logit_rows, row_mask, cols, start, n_vocab, softcap, HAS_SOFTCAP: tl.constexpr,
-               MASK_COLS: tl.constexpr):
-    """``(vocab, mask, z)`` of the tile at column ``start``: z the (softcapped) fp32 logits. Whole tiles
-    (``MASK_COLS=False``) need no column mask, so their loads stay 128-bit vectors."""
-    vocab = start + cols
-    if MASK_COLS:
-        mask = row_mask[:, None] & (vocab[None, :] < n_vocab)
-    else:
-        mask = row_mask[:, None] & (vocab[None, :] >= 0)
-    x = tl.load(logit_rows + vocab[None, :], mask=mask, other=0.0).to(tl.float32)
-    return vocab, mask, _capped(x, softcap, HAS_SOFTCAP)
-
-
-@triton.jit
 def _stats_tile(m, s, z_sum, logit_rows, row_mask, cols, start, n_vocab, softcap, HAS_SOFTCAP: tl.constexpr,
                 HAS_SMOOTHING: tl.constexpr, MASK_COLS: tl.constexpr):
     """Fold the tile at ``start`` into the running max ``m`` and sum of exponentials ``s`` (``Σ exp(z - m)``), and
     with label smoothing the sum of logits. ``z - m`` is formed first (exact for nearby values, so logits of ±1e4
     keep their precision), then scaled into ``exp2``."""
-    _, mask, z = _load_tile(logit_rows, row_mask, cols, start, n_vocab, softcap, HAS_SOFTCAP, MASK_COLS)
+    _, mask, z = load_logit_tile(logit_rows, row_mask, cols, start, n_vocab, softcap, HAS_SOFTCAP, MASK_COLS)
     if HAS_SMOOTHING:
         z_sum += tl.sum(tl.where(mask, z, 0.0), axis=1)
     if MASK_COLS:
@@ -120,7 +100,7 @@ def _grad_tile(logit_rows, grad_rows, row_mask, cols, start, n_vocab, m, log2_s,
     """``dL/dx`` of the tile at ``start`` without the target's ``-(1 - ε)`` (added once per row after the loop),
     times the row's scale (folded into ``p_scale``), stored to the gradient rows. ``p = 2^((z - m)·log2(e) -
     log2(s))``: one subtraction, one FMA, one exponential per logit."""
-    vocab, mask, z = _load_tile(logit_rows, row_mask, cols, start, n_vocab, softcap, HAS_SOFTCAP, MASK_COLS)
+    vocab, mask, z = load_logit_tile(logit_rows, row_mask, cols, start, n_vocab, softcap, HAS_SOFTCAP, MASK_COLS)
     dz = tl.math.exp2((z - m[:, None]) * 1.4426950408889634 - log2_s[:, None]) * p_scale[:, None]
     if HAS_SMOOTHING:
         dz -= smooth[:, None]
@@ -151,7 +131,7 @@ def _cross_entropy_kernel(
     full_end = n_vocab // BLOCK_V * BLOCK_V  # whole tiles end here; [full_end, n_vocab) is the ragged tail
     # the target's logit, read once per row (no per-tile compare); an out-of-range target reads nothing
     in_range = valid & (target >= 0) & (target < n_vocab)
-    z_target = _capped(tl.load(LOGITS + rows64 * stride_logits_row + target, mask=in_range, other=0.0)
+    z_target = capped(tl.load(LOGITS + rows64 * stride_logits_row + target, mask=in_range, other=0.0)
                        .to(tl.float32), softcap, HAS_SOFTCAP)
 
     # ---- pass 1: online max and sum of exp (base 2), the sum of logits with label smoothing; the ragged tail is
@@ -477,8 +457,6 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: 
         overwrite_logits = False  # as_rows had to copy: the copy is private anyway
     predicted = entropy = None
     if return_token_accuracy or return_predicted_tokens or return_entropy:
-        from .log_probs import log_prob_stats  # (log_probs builds on this module: imported when used)
-
         with torch.no_grad():
             _, _, entropy, predicted = log_prob_stats(rows.detach(), None, softcap=softcap, entropy=return_entropy,
                                                       argmax=return_token_accuracy or return_predicted_tokens)

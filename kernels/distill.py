@@ -36,7 +36,7 @@ import triton.language as tl
 
 from ._common import check_device, check_float, first_order_backward, next_pow2, on_gpu
 from ._ranges import kernel_range
-from .linear_cross_entropy_loss import _accumulate_weight_grad, _autocast_dtype, _matmul_into
+from ._vocab import accumulate_weight_grad, autocast_dtype, matmul_into
 from .log_probs import _chunk_buffer, _no_autocast
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # (a jit global must be a constexpr)
@@ -291,9 +291,9 @@ class FusedLinearJSDFunction(torch.autograd.Function):
                                        grad=s if (need_dh or need_dw) else None, scale=scale)
                 total += rows.sum()
                 if dh is not None:
-                    _matmul_into(dh[lo:hi], s, ws)
+                    matmul_into(dh[lo:hi], s, ws)
                 if dw is not None:
-                    _accumulate_weight_grad(dw, s, hs[lo:hi])
+                    accumulate_weight_grad(dw, s, hs[lo:hi])
         del student, teacher
         ctx.weight_dtype = w_s.dtype
         ctx.save_for_backward(*(x for x in (dh, dw) if x is not None))
@@ -339,7 +339,7 @@ def fused_linear_jsd(student_input: torch.Tensor, student_weight: torch.Tensor, 
     check_float(op, student_input, student_weight, teacher_input, teacher_weight)
     check_device(op, student_input, student_weight, teacher_input, teacher_weight,
                  *([shift_labels] if shift_labels is not None else []))
-    compute_dtype = _autocast_dtype(student_input.device.type) or student_input.dtype
+    compute_dtype = autocast_dtype(student_input.device.type) or student_input.dtype
     return FusedLinearJSDFunction.apply(
         student_input.reshape(-1, student_input.shape[-1]), student_weight,
         teacher_input.reshape(-1, teacher_input.shape[-1]).detach(), teacher_weight.detach(),

@@ -44,6 +44,7 @@ import triton
 
 from ._common import check_device, check_float, first_order_backward
 from ._ranges import kernel_range
+from ._vocab import accumulate_weight_grad, autocast_dtype, matmul_into
 from .cross_entropy_loss import (
     check_loss_options,
     cross_entropy_rows,
@@ -52,6 +53,7 @@ from .cross_entropy_loss import (
     reduce_loss,
 )
 from .cross_entropy_loss import check_targets as _check_targets
+from .log_probs import log_prob_stats
 
 #: bytes of logits held at once (one chunk, reused as its own gradient): 256 MiB
 CHUNK_BYTES = 1 << 28
@@ -69,39 +71,6 @@ def chunk_rows(n_rows: int, n_vocab: int, element_size: int = 4) -> int:
     row_bytes = triton.cdiv(max(1, n_vocab), 16) * 16 * element_size
     rows = CHUNK_BYTES // row_bytes // CHUNK_ROW_MULTIPLE * CHUNK_ROW_MULTIPLE
     return max(1, min(n_rows, max(CHUNK_MIN_ROWS, rows)))
-
-
-_MM_OUT_DTYPE = [True]  # whether torch.mm takes out_dtype on CUDA (torch >= 2.8); found out on first use
-_ADDMM_OUT_DTYPE = [True]  # whether torch.addmm takes out_dtype (accumulating into an fp32 out) here
-
-
-def _accumulate_weight_grad(dweight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
-    """``dweight (fp32) += grad_logitsᵀ @ hidden`` in place (no ``[vocab, d]`` temporary); on CUDA a low-precision
-    product accumulates straight into the fp32 buffer."""
-    if grad_logits.dtype == torch.float32:
-        dweight.addmm_(grad_logits.t(), hidden)
-        return
-    if grad_logits.device.type in ("cuda", "meta") and _ADDMM_OUT_DTYPE[0]:
-        try:  # beta = 1: cuBLAS adds the product into the buffer it reads
-            torch.addmm(dweight, grad_logits.t(), hidden, out_dtype=torch.float32, out=dweight)
-            return
-        except (TypeError, RuntimeError):
-            _ADDMM_OUT_DTYPE[0] = False
-    # (older torch: the product as an fp32 temporary, then added)
-    if grad_logits.is_cuda and _MM_OUT_DTYPE[0]:
-        try:
-            dweight += torch.mm(grad_logits.t(), hidden, out_dtype=torch.float32)
-            return
-        except (TypeError, RuntimeError):
-            _MM_OUT_DTYPE[0] = False
-    dweight += (grad_logits.t() @ hidden).float()
-
-
-def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    if out.dtype == a.dtype:
-        torch.mm(a, b, out=out)
-    else:
-        out.copy_(a @ b)
 
 
 def _chunks(n_rows: int, n_vocab: int, element_size: int):
@@ -138,8 +107,6 @@ def linear_cross_entropy_forward(hidden: torch.Tensor, weight: torch.Tensor, tar
                          device=hidden.device)
     predicted = torch.empty(n_rows if want_argmax else 0, dtype=torch.int64, device=hidden.device)
     entropy = torch.empty(n_rows if want_entropy else 0, dtype=torch.float32, device=hidden.device)
-    if want_argmax or want_entropy:
-        from .log_probs import log_prob_stats  # (log_probs builds on this module: imported when used)
     with autocast_off:
         for lo, hi in _chunks(n_rows, n_vocab, element_size):
             # ---- this chunk's logits; the kernel overwrites them with their gradient when one is wanted
@@ -157,9 +124,9 @@ def linear_cross_entropy_forward(hidden: torch.Tensor, weight: torch.Tensor, tar
                                                                grad_scale=scale, **opts)
             # ---- dhidden_c = dlogits_c W ; dW += dlogits_cᵀ hidden_c
             if dh is not None:
-                _matmul_into(dh[lo:hi], logits, w)
+                matmul_into(dh[lo:hi], logits, w)
             if dw is not None:
-                _accumulate_weight_grad(dw, logits, h[lo:hi])
+                accumulate_weight_grad(dw, logits, h[lo:hi])
             del logits, grad
     del buffer
     empty = hidden.new_empty(0)
@@ -272,18 +239,6 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return (dh if need_dh else None), (dw if need_dw else None), None, None, None, None, None, None, None, None, None
 
 
-def _autocast_dtype(device_type: str) -> torch.dtype | None:
-    try:
-        if torch.is_autocast_enabled(device_type):
-            return torch.get_autocast_dtype(device_type)
-    except (TypeError, AttributeError):  # torch < 2.4
-        if device_type == "cuda" and torch.is_autocast_enabled():
-            return torch.get_autocast_gpu_dtype()
-    except RuntimeError:  # a device type without autocast (meta)
-        pass
-    return None
-
-
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                          ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
                          softcap: float | None = None, reduction: str = "mean", return_z_loss: bool = False,
@@ -322,7 +277,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     check_loss_options("linear_cross_entropy", ignore_index, label_smoothing, z_loss, softcap, reduction)
     if check_targets:
         _check_targets("linear_cross_entropy", targets, weight.shape[0], ignore_index)
-    compute_dtype = _autocast_dtype(hidden.device.type) or hidden.dtype
+    compute_dtype = autocast_dtype(hidden.device.type) or hidden.dtype
     loss, z_term, predicted, entropy = LinearCrossEntropyFunction.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), int(ignore_index),
         float(label_smoothing), float(z_loss), None if softcap is None else float(softcap), reduction,

@@ -40,8 +40,7 @@ import triton.language as tl
 
 from ._common import check_device, check_float, first_order_backward, next_pow2, on_gpu
 from ._ranges import kernel_range
-from .cross_entropy_loss import _capped, _load_tile
-from .linear_cross_entropy_loss import CHUNK_BYTES, _accumulate_weight_grad, _autocast_dtype, _matmul_into
+from ._vocab import accumulate_weight_grad, autocast_dtype, capped, load_logit_tile, matmul_into
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # (a jit global must be a constexpr)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -51,7 +50,7 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 def _tile(logit_rows, row_mask, cols, start, n_vocab, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr,
           MASK_COLS: tl.constexpr):
     """``(vocab, mask, z)`` of the tile at column ``start``: z = cap(x) / T in fp32 (-inf outside the row)."""
-    vocab, mask, capped = _load_tile(logit_rows, row_mask, cols, start, n_vocab, softcap, HAS_SOFTCAP, MASK_COLS)
+    vocab, mask, capped = load_logit_tile(logit_rows, row_mask, cols, start, n_vocab, softcap, HAS_SOFTCAP, MASK_COLS)
     return vocab, mask, tl.where(mask, capped * inv_temp, float("-inf"))
 
 
@@ -118,7 +117,7 @@ def _stats_kernel(
         valid = row_mask & (target != ignore_index)
         in_range = valid & (target >= 0) & (target < n_vocab)
         x_t = tl.load(LOGITS + rows64 * stride_row + target, mask=in_range, other=0.0).to(tl.float32)
-        z_t = _capped(x_t, softcap, HAS_SOFTCAP) * inv_temp
+        z_t = capped(x_t, softcap, HAS_SOFTCAP) * inv_temp
         # log p_t = (z_t - m) - log s: the max comes off first, so large logits keep their precision
         tl.store(LOGP + rows64, tl.where(valid, (z_t - m) - log_s, 0.0), mask=row_mask)
     tl.store(LSE + rows64, lse, mask=row_mask)
@@ -190,7 +189,7 @@ def _grad_kernel(
     if HAS_TARGETS:
         # ---- the chosen token's column once per row: its whole gradient, over what the loop stored there (after a
         # barrier, so that store comes first)
-        z_t = _capped(x_t, softcap, HAS_SOFTCAP) * inv_temp
+        z_t = capped(x_t, softcap, HAS_SOFTCAP) * inv_temp
         log_p_t = z_t - lse
         p_t = tl.math.exp2(log_p_t * LOG2E)
         dz_t = g_p * (1.0 - p_t)
@@ -361,9 +360,10 @@ def _chunk_logits(buffer: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: tor
     return torch.addmm(b, h[lo:hi], w.t(), out=out)
 
 
-#: the fused head's logits budget per chunk: half of linear_cross_entropy's, so that a chunk and its copy (Triton's
-#: interpreter holds one per launch on CPU) together stay under a tenth of one fp32 [8192, vocab] logits tensor
-LOG_PROB_CHUNK_BYTES = CHUNK_BYTES // 2
+#: the fused head's logits budget per chunk: half of linear_cross_entropy's ``CHUNK_BYTES``, so that a chunk and
+#: its copy (Triton's interpreter holds one per launch on CPU) together stay under a tenth of one fp32
+#: [8192, vocab] logits tensor
+LOG_PROB_CHUNK_BYTES = 1 << 27  # 128 MiB
 #: tokens per chunk at least: at Qwen's vocabulary (151,936) an fp32 chunk is then 148 MiB; in bf16 the byte budget
 #: gives 384 rows there (each chunk's three matmuls still do ~270 flop per byte at d 4096: compute-bound on an H100)
 LOG_PROB_CHUNK_MIN_ROWS = 256
@@ -443,9 +443,9 @@ class LinearLogProbsFunction(torch.autograd.Function):
                               g_logp[lo:hi], None if g_ent is None else g_ent[lo:hi], **ctx.opts)
                 # ---- dhidden_c = dlogits_c W ; dW += dlogits_cᵀ hidden_c ; db += Σ_rows dlogits_c
                 if dh is not None:
-                    _matmul_into(dh[lo:hi], logits, w)
+                    matmul_into(dh[lo:hi], logits, w)
                 if dw is not None:
-                    _accumulate_weight_grad(dw, logits, h[lo:hi])
+                    accumulate_weight_grad(dw, logits, h[lo:hi])
                 if db is not None:
                     db += logits.float().sum(0)
         del buffer
@@ -486,7 +486,7 @@ def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     check_float(op, hidden, weight, *([bias] if bias is not None else []))
     check_device(op, hidden, weight, targets, *([bias] if bias is not None else []))
     _check_index(op, targets, weight.shape[0], ignore_index)
-    compute_dtype = _autocast_dtype(hidden.device.type) or hidden.dtype
+    compute_dtype = autocast_dtype(hidden.device.type) or hidden.dtype
     logp, ent = LinearLogProbsFunction.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1).long(), float(temperature),
         None if softcap is None else float(softcap), int(ignore_index), bool(return_entropy), compute_dtype)
