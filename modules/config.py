@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .parts import AttentionSpec, DenseMLPSpec, GatedDeltaNetSpec, LatentAttentionSpec, MoESpec, Part
+
 NORMS = ("rmsnorm", "layernorm", "batchnorm", "none")
 FFNS = ("swiglu", "geglu", "relu", "silu")
 POSITIONS = ("rope", "sinusoidal", "none")
@@ -396,6 +398,43 @@ class ModelConfig:
         if self.local_rope_theta is not None and self.layer_window(index) is not None:
             return self.local_rope_theta, None
         return self.rope_theta, self.rope_scaling
+
+    def layer_mixer(self, index: int) -> Part:
+        """Layer ``index``'s token mixer as a part spec (:mod:`tritonlm.modules.parts`): Gated DeltaNet in a
+        hybrid's ``linear_layers``, else latent attention (``attention='mla'``) or attention, with this layer's RoPE
+        base (none in a NoPE layer) and window."""
+        if self.is_linear_layer(index):
+            return GatedDeltaNetSpec(self.d_model, self.linear_num_key_heads, self.linear_num_value_heads,
+                                     self.linear_key_head_dim, self.linear_value_head_dim, self.linear_conv_kernel,
+                                     self.norm_eps)
+        theta, rope_scaling = self.layer_rope(index)
+        rotary = self.layer_has_rope(index)
+        if self.attention == "mla":
+            return LatentAttentionSpec(
+                self.d_model, self.num_heads, self.context_length, theta if rotary else None,
+                q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+                qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim, rope_scaling=rope_scaling,
+                latent_norm_eps=self.latent_norm_eps, softmax_scale=self.query_scale, qkv_bias=self.qkv_bias,
+                out_bias=self.attn_out_bias)
+        return AttentionSpec(self.d_model, self.num_heads, self.context_length, theta if rotary else None,
+                             num_kv_heads=self.num_kv_heads, rope_scaling=rope_scaling, head_dim=self.head_dim,
+                             qkv_bias=self.qkv_bias, qk_norm=self.qk_norm, norm_eps=self.norm_eps,
+                             norm_offset=self.norm_offset, softmax_scale=self.query_scale, softcap=self.attn_softcap,
+                             window=self.layer_window(index), rotary_dim=self.rotary_dim if rotary else None,
+                             out_bias=self.attn_out_bias, sinks=self.attention_sinks,
+                             output_gate=self.attn_output_gate)
+
+    def layer_mlp(self, index: int) -> Part:
+        """Layer ``index``'s MLP as a part spec: a mixture of experts in an MoE layer, else the dense ``ffn``."""
+        if not self.is_moe_layer(index):
+            return DenseMLPSpec(self.d_model, self.d_ff, self.ffn, self.mlp_bias)
+        return MoESpec(self.d_model, self.expert_d_ff, self.num_experts, self.experts_per_token, self.norm_topk_prob,
+                       self.shared_expert_d_ff, router_bias=self.router_bias,
+                       softmax_after_topk=self.router_softmax_after_topk, expert_bias=self.expert_bias,
+                       activation=self.expert_activation, alpha=self.swiglu_alpha, limit=self.swiglu_limit,
+                       scoring=self.router_scoring, choice_bias=self.router_choice_bias, n_group=self.router_groups,
+                       topk_group=self.router_topk_groups, routed_scaling_factor=self.routed_scaling_factor,
+                       shared_gate=self.shared_expert_gate)
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer ``index`` routes its tokens to experts."""

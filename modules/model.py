@@ -1,7 +1,8 @@
 """The one Transformer assembly, shared by both backends.
 
 :class:`TransformerBlock` and :class:`TransformerLM` are written once; the components they build
-(norms, attention, FFN) come from a backend namespace: ``tritonlm.modules.reference`` or
+(norms, and the layer parts of :mod:`tritonlm.modules.parts`: each layer's token mixer and MLP, built from the
+specs :meth:`ModelConfig.layer_mixer` / :meth:`ModelConfig.layer_mlp` give) come from a backend namespace: ``tritonlm.modules.reference`` or
 ``tritonlm.modules.fused``. Fused components subclass the reference ones and only replace ``forward``
 hot paths, so parameters and ``state_dict`` keys are identical across backends.
 """
@@ -14,7 +15,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from .cache import Documents, KVCache, PagedKVCache, RecurrentCache
+from .cache import Documents, PagedKVCache
 from .config import ModelConfig
 from .functional import load_balancing_loss
 from .sampling import constrain_logits, sample_next
@@ -67,56 +68,6 @@ def _make_norm(kind: str, comps, d_model: int, device, dtype, eps: float = 1e-5,
     raise ValueError(f"unknown norm {kind!r}")
 
 
-def _make_ffn(kind: str, comps, d_model: int, d_ff: int, device, dtype, config: ModelConfig | None = None,
-              layer_idx: int = 0) -> nn.Module:
-    if config is not None and config.is_moe_layer(layer_idx):
-        return comps.MoEFFN(d_model, config.expert_d_ff, config.num_experts, config.experts_per_token,
-                            config.norm_topk_prob, config.shared_expert_d_ff, device=device, dtype=dtype,
-                            router_bias=config.router_bias, softmax_after_topk=config.router_softmax_after_topk,
-                            expert_bias=config.expert_bias, activation=config.expert_activation,
-                            alpha=config.swiglu_alpha, limit=config.swiglu_limit, scoring=config.router_scoring,
-                            choice_bias=config.router_choice_bias, n_group=config.router_groups,
-                            topk_group=config.router_topk_groups, routed_scaling_factor=config.routed_scaling_factor,
-                            shared_gate=config.shared_expert_gate)
-    bias = config is not None and config.mlp_bias
-    if kind == "swiglu":
-        return comps.SwiGLU(d_model, d_ff, device=device, dtype=dtype, bias=bias)
-    if kind == "geglu":
-        return comps.GeGLU(d_model, d_ff, device=device, dtype=dtype, bias=bias)
-    if kind == "relu":
-        return comps.ReLUFFN(d_model, d_ff, device=device, dtype=dtype)
-    if kind == "silu":
-        return comps.SiLUFFN(d_model, d_ff, device=device, dtype=dtype)
-    raise ValueError(f"unknown ffn {kind!r}")
-
-
-def _make_attention(config: ModelConfig, comps, theta, rope_scaling, rotary: bool, device, dtype,
-                    layer_idx: int) -> nn.Module:
-    """Layer ``layer_idx``'s token mixer: multi-head attention (GQA, windows, sinks, ...), DeepSeek's latent attention
-    (MLA), or in a hybrid's linear layers Gated DeltaNet."""
-    if config.is_linear_layer(layer_idx):
-        return comps.GatedDeltaNet(config.d_model, config.linear_num_key_heads, config.linear_num_value_heads,
-                                   config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel,
-                                   config.norm_eps, device=device, dtype=dtype)
-    if config.attention == "mla":
-        return comps.MultiHeadLatentAttention(
-            config.d_model, config.num_heads, config.context_length, theta, device=device, dtype=dtype,
-            q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
-            qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim, rope_scaling=rope_scaling,
-            latent_norm_eps=config.latent_norm_eps, softmax_scale=config.query_scale, qkv_bias=config.qkv_bias,
-            out_bias=config.attn_out_bias)
-    return comps.MultiHeadSelfAttention(config.d_model, config.num_heads, config.context_length, theta,
-                                        device=device, dtype=dtype, num_kv_heads=config.num_kv_heads,
-                                        rope_scaling=rope_scaling, head_dim=config.head_dim,
-                                        qkv_bias=config.qkv_bias, qk_norm=config.qk_norm,
-                                        norm_eps=config.norm_eps, norm_offset=config.norm_offset,
-                                        softmax_scale=config.query_scale, softcap=config.attn_softcap,
-                                        window=config.layer_window(layer_idx),
-                                        rotary_dim=config.rotary_dim if rotary else None,
-                                        out_bias=config.attn_out_bias, sinks=config.attention_sinks,
-                                        output_gate=config.attn_output_gate)
-
-
 def _add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norm(x + residual), x + residual)``: one kernel for a fused RMSNorm (``add_forward``), else spelled out."""
     add_forward = getattr(norm, "add_forward", None)
@@ -154,14 +105,11 @@ class TransformerBlock(nn.Module):
         self.backend = resolve_backend(backend, device)
         comps = components(self.backend)
         self.norm_position = config.norm_position
-        theta, rope_scaling = config.layer_rope(layer_idx)
-        rotary = config.layer_has_rope(layer_idx)  # (NoPE layers: no RoPE in this layer's attention)
-        if not rotary:
-            theta = None
         self.ln1 = _make_norm(config.norm, comps, config.d_model, device, dtype, config.norm_eps, config.norm_offset)
-        self.attn = _make_attention(config, comps, theta, rope_scaling, rotary, device, dtype, layer_idx)
+        # the layer's parts (tritonlm.modules.parts): its token mixer and its MLP, whatever their kinds
+        self.attn = config.layer_mixer(layer_idx).build(comps, device, dtype)
         self.ln2 = _make_norm(config.norm, comps, config.d_model, device, dtype, config.norm_eps, config.norm_offset)
-        self.ffn = _make_ffn(config.ffn, comps, config.d_model, config.d_ff, device, dtype, config, layer_idx)
+        self.ffn = config.layer_mlp(layer_idx).build(comps, device, dtype)
         self.residual_scale = config.residual_scale  # (Granite) each branch's output scaled before its add
         # sandwich norms (Gemma 2 / 3): each branch's output normed before its residual add
         self.attn_post_norm = self.ffn_post_norm = None
@@ -259,7 +207,7 @@ class TransformerLM(nn.Module):
         # local layers keep their own)
         shared = {}
         for i, layer in enumerate(self.layers):
-            if layer.attn.rope is not None:
+            if getattr(layer.attn, "rope", None) is not None:  # (a mixer without positions has none)
                 layer.attn.rope = shared.setdefault(repr(config.layer_rope(i)), layer.attn.rope)
         self.ln_final = (_make_norm(config.norm, comps, config.d_model, device, dtype, config.norm_eps,
                                     config.norm_offset) if config.norm_position != "post" else nn.Identity())
@@ -401,11 +349,10 @@ class TransformerLM(nn.Module):
         return self.ln_final(x) if pending is None else _add_norm(self.ln_final, pending, x)[0]
 
     def new_kv_caches(self, reserve: int | None = None):
-        """One empty cache per layer: a :class:`KVCache` per attention layer, holding up to ``context_length``
-        positions (storage allocated for ``reserve`` positions first, growing with use), and a fixed-size
-        :class:`RecurrentCache` per Gated DeltaNet layer."""
-        return [RecurrentCache() if self.config.is_linear_layer(i) else KVCache(self.context_length, reserve)
-                for i in range(len(self.layers))]
+        """One empty cache per layer, the one its mixer keeps: a :class:`KVCache` per attention layer, holding up to
+        ``context_length`` positions (storage allocated for ``reserve`` positions first, growing with use), a
+        fixed-size :class:`RecurrentCache` per Gated DeltaNet layer."""
+        return [self.config.layer_mixer(i).new_cache(self.context_length, reserve) for i in range(len(self.layers))]
 
     @torch.no_grad()
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,

@@ -4,6 +4,8 @@
 import ast
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -29,10 +31,53 @@ def test_kernels_import_nothing_above_them():
 
 
 def test_modules_reach_up_only_for_kernels():
-    upward = [(f.name, name) for f in sorted((REPO / "modules").glob("*.py")) for level, name in _imports(f)
-              if (level >= 2 and name.split(".")[0] != "kernels")
-              or (level == 0 and name.split(".")[0] == "tritonlm" and not name.startswith("tritonlm.kernels"))]
+    upward = []
+    for f in sorted((REPO / "modules").rglob("*.py")):
+        depth = len(f.relative_to(REPO / "modules").parts) - 1  # (modules/parts/x.py: one package below modules/)
+        upward += [(str(f.relative_to(REPO)), name) for level, name in _imports(f)
+                   if (level >= 2 + depth and name.split(".")[0] != "kernels")
+                   or (level == 0 and name.split(".")[0] == "tritonlm" and not name.startswith("tritonlm.kernels"))]
     assert upward == []  # e.g. sampling is modules.sampling, not tritonlm.generate; the config is modules.config
+
+
+def test_parts_import_no_backend_and_no_config():
+    """A part spec is built from its own fields: it reads neither the flat config nor a backend namespace (the
+    component class comes from the namespace ``build`` is given)."""
+    found = [(f.name, name) for f in sorted((REPO / "modules" / "parts").glob("*.py")) for _, name in _imports(f)
+             if name and name.split(".")[-1] in ("config", "reference", "fused", "model", "kernels")]
+    assert found == []
+
+
+#: what a generic module must not say: the part kinds' components and the config's per-kind layer predicates
+_PART_KIND_WORDS = ("MultiHeadSelfAttention", "MultiHeadLatentAttention", "GatedDeltaNet", "MoEFFN", "SwiGLU(",
+                    "is_linear_layer", "is_moe_layer", 'attention == "mla"', 'attention != "mla"', "linear_layers")
+
+
+def _code_without_docstrings(source: str) -> str:
+    """The source's code as ``ast.unparse`` writes it: no comments, no docstrings (which may name the kinds)."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Module)) and ast.get_docstring(node) is not None:
+            node.body = node.body[1:] or [ast.Pass()]
+    return ast.unparse(tree).replace("'", '"')
+
+
+@pytest.mark.parametrize("path", ["modules/model.py", "tritonlm/accounting.py"])
+def test_assembly_and_accounting_name_no_part_kind(path):
+    """The model assembly and the accounting ask each layer's parts (``layer_mixer`` / ``layer_mlp``); a new mixer
+    changes neither file."""
+    code = _code_without_docstrings((REPO / path).read_text(encoding="utf-8"))
+    assert [w for w in _PART_KIND_WORDS if w in code] == []
+
+
+def test_checkpoint_layer_names_ask_the_parts():
+    """hf/checkpoint.py's layer loop names no mixer or MLP kind either (the config comparison in ``_differences``
+    may read the config's fields)."""
+    tree = ast.parse((REPO / "tritonlm" / "hf" / "checkpoint.py").read_text(encoding="utf-8"))
+    functions = {n.name: ast.unparse(n) for n in tree.body if isinstance(n, ast.FunctionDef)}
+    for name in ("layer_names", "state_from_hf", "state_to_hf"):
+        body = functions[name].replace("'", '"')
+        assert [w for w in _PART_KIND_WORDS if w in body] == [], name
 
 
 #: where each import root's files live

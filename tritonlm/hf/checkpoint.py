@@ -11,9 +11,11 @@ A family's record says what differs from a rename:
 * Fused tensors (``Weights.fused``: one ``qkv_proj`` or ``gate_up_proj``) are split on load and fused on save.
 * Tied embeddings: HF omits ``lm_head.weight`` from the file when ``tie_word_embeddings`` is set. A file that holds a
   head of its own beside the flag loads as transformers loads it: both matrices kept, untied.
-* MoE experts. Files hold them per expert (``{block}.experts.{j}.{gate, up, down}.weight``, what the Hub has and
-  transformers 4.x writes) or stacked (transformers 5's ``mlp.experts.gate_up_proj`` / ``down_proj``); both load
-  into the stacked layout the model keeps, and checkpoints are written per expert, which both versions read.
+* Each layer's tensors are named by its parts (:mod:`tritonlm.modules.parts`: the mixer's and the MLP's
+  ``hf_names``), and a part whose layout differs transforms its own (``state_from_hf`` / ``state_to_hf``): MoE
+  experts, for one, are held per expert in files (``{block}.experts.{j}.{gate, up, down}.weight``, what the Hub has
+  and transformers 4.x writes) or stacked (transformers 5's ``mlp.experts.gate_up_proj`` / ``down_proj``); both
+  load into the stacked layout the model keeps, and checkpoints are written per expert, which both versions read.
 
 The config mapping (:func:`model_config_from_hf`) reads plain JSON, so ``tritonlm accounting --hf`` works without
 ``transformers``; reading and writing weights needs ``safetensors`` (``pip install tritonlm[hf]``).
@@ -258,63 +260,16 @@ TOP_KEYS = {"token_embeddings.weight": "model.embed_tokens.weight", "ln_final.we
             "lm_head.weight": "lm_head.weight"}
 
 
-#: ours -> HF names inside a Gated DeltaNet layer (after ``linear_attn.``; transformers' Qwen3.5 names)
-LINEAR_ATTENTION_NAMES = {
-    "in_proj_qkv.weight": "in_proj_qkv.weight", "in_proj_z.weight": "in_proj_z.weight",
-    "in_proj_b.weight": "in_proj_b.weight", "in_proj_a.weight": "in_proj_a.weight", "conv1d_weight": "conv1d.weight",
-    "dt_bias": "dt_bias", "A_log": "A_log", "norm.weight": "norm.weight", "out_proj.weight": "out_proj.weight"}
-
-
 def layer_names(cfg: ModelConfig, i: int) -> dict[str, str]:
-    """Ours -> HF names inside layer ``i`` besides an MoE layer's router and experts: the generic (Llama) names of
-    what the config holds, then the family's own (``Weights.names``). A tensor with no generic name (sandwich
-    norms) must be named by the family."""
-    moe = cfg.is_moe_layer(i)
-    keys = {"ln1.weight": "input_layernorm.weight", "attn.q_proj.weight": "self_attn.q_proj.weight",
-            "attn.k_proj.weight": "self_attn.k_proj.weight", "attn.v_proj.weight": "self_attn.v_proj.weight",
-            "attn.output_proj.weight": "self_attn.o_proj.weight", "ln2.weight": "post_attention_layernorm.weight"}
-    if cfg.attention == "mla":  # (DeepSeek's names: the latent attention's own tensors)
-        del keys["attn.q_proj.weight"], keys["attn.k_proj.weight"], keys["attn.v_proj.weight"]
-        if cfg.q_lora_rank is None:
-            keys["attn.q_proj.weight"] = "self_attn.q_proj.weight"
-        else:
-            keys.update({"attn.q_a_proj.weight": "self_attn.q_a_proj.weight",
-                         "attn.q_a_norm.weight": "self_attn.q_a_layernorm.weight",
-                         "attn.q_b_proj.weight": "self_attn.q_b_proj.weight"})
-            if cfg.qkv_bias:
-                keys["attn.q_a_proj.bias"] = "self_attn.q_a_proj.bias"
-        keys.update({"attn.kv_a_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
-                     "attn.kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
-                     "attn.kv_b_proj.weight": "self_attn.kv_b_proj.weight"})
-        if cfg.qkv_bias:
-            keys["attn.kv_a_proj.bias"] = "self_attn.kv_a_proj_with_mqa.bias"
-    if not moe:
-        keys.update({"ffn.w1.weight": "mlp.gate_proj.weight", "ffn.w2.weight": "mlp.down_proj.weight",
-                     "ffn.w3.weight": "mlp.up_proj.weight"})
-        if cfg.mlp_bias:
-            keys.update({f"ffn.{ours}.bias": f"mlp.{theirs}.bias"
-                         for ours, theirs in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))})
-    if cfg.qkv_bias and cfg.attention != "mla":
-        keys.update({f"attn.{p}_proj.bias": f"self_attn.{p}_proj.bias" for p in ("q", "k", "v")})
-    if cfg.attn_out_bias:
-        keys["attn.output_proj.bias"] = "self_attn.o_proj.bias"
-    if cfg.qk_norm:
-        keys.update({f"attn.{p}_norm.weight": f"self_attn.{p}_norm.weight" for p in ("q", "k")})
+    """Ours -> HF names inside layer ``i`` of the tensors that map one to one: the two norms, then what the layer's
+    parts name (:meth:`~tritonlm.modules.parts.Part.hf_names`: the mixer's under ``attn.``, the MLP's under
+    ``ffn.``), then the family's own spellings (``Weights.names``). A tensor with no generic name (sandwich norms)
+    must be named by the family."""
+    keys = {"ln1.weight": "input_layernorm.weight", "ln2.weight": "post_attention_layernorm.weight"}
+    keys.update({f"attn.{ours}": theirs for ours, theirs in cfg.layer_mixer(i).hf_names().items()})
+    keys.update({f"ffn.{ours}": theirs for ours, theirs in cfg.layer_mlp(i).hf_names().items()})
     if cfg.post_norms:
         keys.update({"attn_post_norm.weight": None, "ffn_post_norm.weight": None})
-    if cfg.attn_output_gate:  # (the file interleaves it with q_proj's rows: the family's Fused splits it out)
-        keys["attn.gate_proj.weight"] = "self_attn.gate_proj.weight"
-    if cfg.is_linear_layer(i):  # a Gated DeltaNet layer (Qwen3.5's names) instead of attention
-        keys = {k: v for k, v in keys.items() if not k.startswith("attn.")}
-        keys.update({f"attn.{ours}": f"linear_attn.{theirs}" for ours, theirs in LINEAR_ATTENTION_NAMES.items()})
-    if cfg.attention_sinks:
-        keys["attn.sinks"] = "self_attn.sinks"
-    if moe and cfg.shared_expert_d_ff:
-        keys.update({"ffn.shared_expert.w1.weight": "mlp.shared_expert.gate_proj.weight",
-                     "ffn.shared_expert.w2.weight": "mlp.shared_expert.down_proj.weight",
-                     "ffn.shared_expert.w3.weight": "mlp.shared_expert.up_proj.weight"})
-        if cfg.shared_expert_gate:
-            keys["ffn.shared_expert_gate.weight"] = "mlp.shared_expert_gate.weight"
     record = family(cfg.model_type)
     keys.update({ours: theirs for ours, theirs in record.weights.names.items() if ours in keys})
     unnamed = [ours for ours, theirs in keys.items() if theirs is None]
@@ -389,8 +344,8 @@ def state_from_hf(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
     names = dict(TOP_KEYS)
     for i in range(cfg.num_layers):
         names.update({f"layers.{i}.{ours}": f"model.layers.{i}.{theirs}" for ours, theirs in layer_names(cfg, i).items()})
-        if cfg.is_moe_layer(i):
-            state.update(_experts_from_hf(hf_state, f"model.layers.{i}", cfg, used, f"layers.{i}.ffn"))
+        for part, ours in ((cfg.layer_mixer(i), "attn"), (cfg.layer_mlp(i), "ffn")):  # (an MoE's stacked experts)
+            state.update(part.state_from_hf(hf_state, f"model.layers.{i}", f"layers.{i}.{ours}", weights, used))
     if cfg.tie_embeddings and "lm_head.weight" not in hf_state:
         names["lm_head.weight"] = "model.embed_tokens.weight"
     for ours, theirs in names.items():
@@ -420,75 +375,6 @@ def _without_mtp_layers(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> 
     return {k: v for k, v in hf_state.items() if k not in extra}
 
 
-def _experts_from_hf(hf_state: dict, layer: str, cfg: ModelConfig, used: set, ours: str) -> dict:
-    """One MoE layer's router and experts, from per-expert tensors (the family's block and names, or the other
-    common ones) or stacked ones (``mlp.experts.gate_up_proj`` / ``down_proj``), into the stacked ``[E, 2I, H]`` /
-    ``[E, H, I]`` layout."""
-    weights = family(cfg.model_type).weights
-    if weights.expert_format == "transposed_interleaved":
-        return _transposed_experts_from_hf(hf_state, f"{layer}.{weights.expert_block}", used, ours)
-    blocks = dict.fromkeys((weights.expert_block, "mlp"))
-    block = next((f"{layer}.{name}" for name in blocks if f"{layer}.{name}.gate.weight" in hf_state), None)
-    if block is None:
-        raise ValueError(f"checkpoint lacks {layer}.{weights.expert_block}.gate.weight")
-
-    def take(key):
-        if key not in hf_state:
-            raise ValueError(f"checkpoint lacks {key}")
-        used.add(key)
-        return hf_state[key]
-
-    out = {f"{ours}.router.weight": take(f"{block}.gate.weight")}
-    if cfg.router_choice_bias:  # (DeepSeek-V3's e_score_correction_bias)
-        out[f"{ours}.choice_bias"] = take(f"{block}.gate.e_score_correction_bias")
-    if f"{block}.experts.gate_up_proj" in hf_state:
-        out[f"{ours}.experts.gate_up_proj"] = take(f"{block}.experts.gate_up_proj")
-        out[f"{ours}.experts.down_proj"] = take(f"{block}.experts.down_proj")
-        return out
-    candidates = dict.fromkeys((weights.expert_names, ("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj")))
-    names = next((n for n in candidates if f"{block}.experts.0.{n[0]}.weight" in hf_state), weights.expert_names)
-    experts = [[take(f"{block}.experts.{j}.{n}.weight") for n in names] for j in range(cfg.num_experts)]
-    out[f"{ours}.experts.gate_up_proj"] = torch.stack([torch.cat([gate, up]) for gate, up, _ in experts])
-    out[f"{ours}.experts.down_proj"] = torch.stack([down for _, _, down in experts])
-    return out
-
-
-def _deinterleave(t: torch.Tensor) -> torch.Tensor:
-    """Rows (dim 1) alternating gate, up -> gate rows, then up rows."""
-    return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
-
-
-def _interleave(t: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`_deinterleave`."""
-    half = t.shape[1] // 2
-    return torch.stack([t[:, :half], t[:, half:]], dim=2).flatten(1, 2)
-
-
-def _transposed_experts_from_hf(hf_state: dict, block: str, used: set, ours: str) -> dict:
-    """gpt-oss's router (weight and bias) and experts (``gate_up_proj [E, H, 2I]`` interleaved, ``down_proj [E, I,
-    H]``, their biases) in the model's stacked layout (``[E, 2I, H]`` gate rows first, ``[E, H, I]``)."""
-    def take(key):
-        if key not in hf_state:
-            raise ValueError(f"checkpoint lacks {key}")
-        used.add(key)
-        return hf_state[key]
-
-    return {f"{ours}.router.weight": take(f"{block}.router.weight"), f"{ours}.router.bias": take(f"{block}.router.bias"),
-            f"{ours}.experts.gate_up_proj": _deinterleave(take(f"{block}.experts.gate_up_proj").transpose(1, 2)),
-            f"{ours}.experts.gate_up_bias": _deinterleave(take(f"{block}.experts.gate_up_proj_bias")),
-            f"{ours}.experts.down_proj": take(f"{block}.experts.down_proj").transpose(1, 2),
-            f"{ours}.experts.down_bias": take(f"{block}.experts.down_proj_bias")}
-
-
-def _transposed_experts_to_hf(state: dict, block: str, ours: str) -> dict:
-    """The inverse of :func:`_transposed_experts_from_hf`."""
-    return {f"{block}.router.weight": state[f"{ours}.router.weight"], f"{block}.router.bias": state[f"{ours}.router.bias"],
-            f"{block}.experts.gate_up_proj": _interleave(state[f"{ours}.experts.gate_up_proj"]).transpose(1, 2),
-            f"{block}.experts.gate_up_proj_bias": _interleave(state[f"{ours}.experts.gate_up_bias"]),
-            f"{block}.experts.down_proj": state[f"{ours}.experts.down_proj"].transpose(1, 2),
-            f"{block}.experts.down_proj_bias": state[f"{ours}.experts.down_bias"]}
-
-
 def state_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """This library's ``state_dict`` -> HF tensors (the inverse of :func:`state_from_hf`; tied heads omitted)."""
     inverse = torch.argsort(rope_row_order(cfg))
@@ -499,20 +385,8 @@ def state_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
             continue
         out[theirs] = state[ours]
     for i in range(cfg.num_layers):
-        if cfg.is_moe_layer(i) and weights.expert_format == "transposed_interleaved":
-            out.update(_transposed_experts_to_hf(state, f"model.layers.{i}.{weights.expert_block}", f"layers.{i}.ffn"))
-        elif cfg.is_moe_layer(i):  # per-expert names (the Hub and transformers 4.x; 5.x converts them on load)
-            block = f"model.layers.{i}.{weights.expert_block}"
-            gate_name, up_name, down_name = weights.expert_names
-            out[f"{block}.gate.weight"] = state[f"layers.{i}.ffn.router.weight"]
-            if cfg.router_choice_bias:
-                out[f"{block}.gate.e_score_correction_bias"] = state[f"layers.{i}.ffn.choice_bias"]
-            gate_up, down = state[f"layers.{i}.ffn.experts.gate_up_proj"], state[f"layers.{i}.ffn.experts.down_proj"]
-            d_ff = cfg.expert_d_ff
-            for j in range(cfg.num_experts):
-                out[f"{block}.experts.{j}.{gate_name}.weight"] = gate_up[j, :d_ff]
-                out[f"{block}.experts.{j}.{up_name}.weight"] = gate_up[j, d_ff:]
-                out[f"{block}.experts.{j}.{down_name}.weight"] = down[j]
+        for part, ours in ((cfg.layer_mixer(i), "attn"), (cfg.layer_mlp(i), "ffn")):
+            out.update(part.state_to_hf(state, f"model.layers.{i}", f"layers.{i}.{ours}", weights))
         for ours, theirs in layer_names(cfg, i).items():
             out[f"model.layers.{i}.{theirs}"] = _rope_rows(f"layers.{i}.{ours}", state[f"layers.{i}.{ours}"], cfg,
                                                            inverse)
