@@ -70,6 +70,15 @@ def test_assembly_and_accounting_name_no_part_kind(path):
     assert [w for w in _PART_KIND_WORDS if w in code] == []
 
 
+def test_the_assembly_holds_no_sampling_loop():
+    """Generation (the sampling loop, the paged cache of a ragged batch) is modules/generation.py's: model.py only
+    forwards ``generate`` to it."""
+    names = {name for _, name in _imports(REPO / "modules" / "model.py")}
+    assert not names & {"sampling", "cache.PagedKVCache"}
+    code = _code_without_docstrings((REPO / "modules" / "model.py").read_text(encoding="utf-8"))
+    assert [w for w in ("sample_next", "constrain_logits", "PagedKVCache") if w in code] == []
+
+
 def test_checkpoint_layer_names_ask_the_parts():
     """hf/checkpoint.py's layer loop names no mixer or MLP kind either (the config comparison in ``_differences``
     may read the config's fields)."""
