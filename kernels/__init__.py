@@ -25,24 +25,23 @@ if INTERPRETING:
 
 # import order = registration order = the order of the SASS report and the op suite
 # isort: off
-from .rmsnorm import AddRMSNormFunction, RMSNormFunction, add_rms_norm, rms_norm  # noqa: E402
-from .qk_norm import QKNormFunction, qk_rms_norm  # noqa: E402
-from .rms_norm_gated import RMSNormGatedFunction, rms_norm_gated  # noqa: E402
-from .causal_conv1d import CausalConv1dFunction, causal_conv1d_fn, causal_conv1d_update  # noqa: E402
-from .swiglu import SwiGLUGateFunction, geglu_gate, swiglu_gate  # noqa: E402
-from .rope import RoPEFunction, apply_rope, rope_tables  # noqa: E402
-from .cross_entropy_loss import CrossEntropyFunction, cross_entropy  # noqa: E402
-from .linear_cross_entropy_loss import LinearCrossEntropyFunction, linear_cross_entropy  # noqa: E402
-from .log_probs import (  # noqa: E402
+from .rmsnorm import AddRMSNormFunction, RMSNormFunction, add_rms_norm, rms_norm  # noqa: E402,F401
+from .qk_norm import QKNormFunction, qk_rms_norm  # noqa: E402,F401
+from .rms_norm_gated import RMSNormGatedFunction, rms_norm_gated  # noqa: E402,F401
+from .causal_conv1d import CausalConv1dFunction, causal_conv1d_fn, causal_conv1d_update  # noqa: E402,F401
+from .swiglu import SwiGLUGateFunction, geglu_gate, swiglu_gate  # noqa: E402,F401
+from .rope import RoPEFunction, apply_rope, rope_tables  # noqa: E402,F401
+from .cross_entropy_loss import CrossEntropyFunction, cross_entropy  # noqa: E402,F401
+from .linear_cross_entropy_loss import LinearCrossEntropyFunction, linear_cross_entropy  # noqa: E402,F401
+from .log_probs import (  # noqa: E402,F401
     LinearLogProbsFunction,
     LogProbsFunction,
     entropy_from_logits,
     linear_log_probs,
     selective_log_softmax,
 )
-from .distill import DivergenceFunction, FusedLinearJSDFunction, fused_linear_jsd, jsd, kl_div  # noqa: E402
-from . import registrations  # noqa: E402,F401  (the single-file ops' registrations: kernels/_registry.py)
-from .attention import (  # noqa: E402
+from .distill import DivergenceFunction, FusedLinearJSDFunction, fused_linear_jsd, jsd, kl_div  # noqa: E402,F401
+from .attention import (  # noqa: E402,F401
     FlashAttention,
     FlashAttentionTorch,
     flash_attention,
@@ -50,18 +49,12 @@ from .attention import (  # noqa: E402
     flash_attn_varlen_func,
     flash_attn_with_kvcache,
 )
-from .moe import MoEExpertsFunction, moe_experts  # noqa: E402
-from .gated_delta import GatedDeltaRuleFunction, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule  # noqa: E402
+from .moe import MoEExpertsFunction, moe_experts  # noqa: E402,F401
+from .gated_delta import GatedDeltaRuleFunction, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule  # noqa: E402,F401
+from . import registrations  # noqa: E402,F401  (every op's registration: kernels/_registry.py)
 # isort: on
 
-__all__ = [
-    "FlashAttention", "FlashAttentionTorch", "flash_attention", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "rms_norm", "apply_rope", "rope_tables",
-    "swiglu_gate", "geglu_gate", "add_rms_norm", "AddRMSNormFunction", "cross_entropy", "linear_cross_entropy", "RMSNormFunction", "RoPEFunction",
-    "SwiGLUGateFunction", "CrossEntropyFunction", "LinearCrossEntropyFunction", "moe_experts", "MoEExpertsFunction",
-    "qk_rms_norm", "QKNormFunction", "rms_norm_gated", "RMSNormGatedFunction",
-    "causal_conv1d_fn", "causal_conv1d_update", "CausalConv1dFunction",
-    "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "GatedDeltaRuleFunction",
-    "linear_log_probs", "selective_log_softmax", "entropy_from_logits", "LogProbsFunction", "LinearLogProbsFunction",
-    "jsd", "kl_div", "fused_linear_jsd", "DivergenceFunction", "FusedLinearJSDFunction",
-    "INTERPRETING",
-]
+from . import _registry  # noqa: E402
+
+#: the public names: every registered op's entry points (kernels/registrations/), and whether the interpreter runs them
+__all__ = [*_registry.entry_points(), "INTERPRETING"]

@@ -16,8 +16,8 @@ files:
   ``double_backward_cases`` (every autograd Function refuses ``create_graph=True``), so a new op cannot be left
   out of them.
 
-A single-file op keeps its :class:`Tunable` beside its launcher and registers in ``kernels/registrations/<op>.py``;
-an op package (``attention/``, ``moe/``) in its ``registration.py``. Adding an op: CONTRIBUTING.md, "Adding a kernel".
+Every op registers in ``kernels/registrations/<op>.py`` (single-file ops and op packages alike); the kernel keeps its
+:class:`Tunable` beside its launcher. Adding an op: CONTRIBUTING.md, "Adding a kernel".
 """
 
 from __future__ import annotations
@@ -148,6 +148,11 @@ def op(name: str) -> Op:
     if name not in _OPS:
         raise KeyError(f"no op {name!r} is registered (registered: {', '.join(_OPS)})")
     return _OPS[name]
+
+
+def entry_points() -> list[str]:
+    """Every registered op's public names, in registration order: ``tritonlm.kernels.__all__``."""
+    return [name for o in _OPS.values() for name in o.entry_points]
 
 
 def tunables() -> dict[str, Tunable]:

@@ -38,7 +38,6 @@ combine), :mod:`.layout` (host-side views), :mod:`.launch` (tile tables, launche
 Function), :mod:`.interface` (flash-attn's signatures), :mod:`.torch_twin` (the same algorithm in PyTorch).
 """
 
-from . import registration  # noqa: F401  (registers the op: kernels/_registry.py)
 from .interface import flash_attn_func, flash_attn_varlen_func
 from .kvcache import flash_attn_with_kvcache
 from .launch import (

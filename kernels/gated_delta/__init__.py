@@ -45,7 +45,6 @@ normalise q and k in fp32 before the kernels (differentiable); the recurrent ker
 is needed.
 """
 
-from . import registration  # noqa: F401  (registers the op: kernels/_registry.py)
 from .interface import GatedDeltaRuleFunction, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
 __all__ = ["GatedDeltaRuleFunction", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]

@@ -12,11 +12,20 @@ from tritonlm.kernels import _registry, tuned
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_every_public_kernel_entry_point_belongs_to_a_registered_op():
-    registered = {name for op in _registry.ops() for name in op.entry_points}
-    public = set(kernels.__all__) - {"INTERPRETING", "FlashAttentionTorch"}  # (the torch twin is attention's)
-    assert public <= registered, public - registered
+def test_the_public_names_are_the_registered_entry_points():
+    """``tritonlm.kernels.__all__`` is built from the registrations: a kernel is public by registering."""
+    registered = [name for op in _registry.ops() for name in op.entry_points]
+    assert len(registered) == len(set(registered))  # (no name claimed by two ops)
+    assert set(kernels.__all__) - {"INTERPRETING"} == set(registered)
     assert all(hasattr(kernels, name) for name in registered)
+
+
+def test_every_registration_lives_in_the_registrations_package():
+    """One registration style: every op, a package too, registers in ``kernels/registrations/<op>.py``."""
+    stray = [str(f.relative_to(REPO)) for f in (REPO / "kernels").rglob("*.py")
+             if f.parent.name != "registrations" and f.name != "_registry.py"
+             and ("register(_registry.Op" in f.read_text() or f.name == "registration.py")]
+    assert stray == []
 
 
 def test_every_op_names_a_reference_twin_and_how_it_is_benchmarked():
@@ -26,12 +35,15 @@ def test_every_op_names_a_reference_twin_and_how_it_is_benchmarked():
         assert op.bench_case is not None or op.bench_section, op.name
 
 
-def test_tuned_fields_come_from_the_registered_tunables():
-    fields = tuned.fields()
-    assert set(fields) == {"attention_fwd", "attention_bwd", "attention_bwd_dq", "rms_norm", "rope", "swiglu", "geglu", "moe_up", "moe_down",
-                           "moe_down_bwd", "moe_dx", "moe_weight_grad", "cross_entropy"}
-    assert fields["cross_entropy"] == ("BLOCK_V", "num_warps", "LOAD_STAGES")
-    assert fields["rms_norm"] == ("BLOCK_M", "num_warps", "ROW_STAGES", "PROGRAMS_PER_SM") and "TMA" in fields["attention_fwd"]
+def test_the_launchers_read_exactly_the_registered_tunables():
+    """Every tuned-table lookup the launchers make (over every op's smoke sweep cases) names a registered tunable, and
+    every registered tunable is looked up: a table entry is validated against the fields of a kernel that reads it."""
+    cpu = torch.device("cpu")
+    with tuned.record_lookups() as seen:
+        for op in _registry.ops():
+            for case in op.sweep_cases(cpu, True) if op.sweep_cases else []:
+                case.make_step()()
+    assert {kernel for kernel, _ in seen} == set(tuned.fields())
     with pytest.raises(tuned.TunedTableError, match="unknown kernel 'paged_decode'"):
         tuned.validate({"version": 1, "kernels": {"paged_decode": {"bf16": {"BLOCK": 1024}}}})
 

@@ -7,8 +7,8 @@ import contextlib
 import torch
 
 from .. import _registry, tuned
-from .interface import flash_attn_func, flash_attn_varlen_func
-from .launch import (
+from ..attention.interface import flash_attn_func, flash_attn_varlen_func
+from ..attention.launch import (
     _CONFIG_FIELDS,
     _bwd_config,
     _bwd_dq_config,
@@ -320,8 +320,8 @@ def _opcheck_cases() -> dict[str, list[tuple]]:
 
 
 def _double_backward_cases():
-    from .launch import FlashAttention
-    from .torch_twin import FlashAttentionTorch
+    from ..attention.launch import FlashAttention
+    from ..attention.torch_twin import FlashAttentionTorch
 
     q = torch.randn(1, 2, 5, 8, requires_grad=True)
     return [("FlashAttention", FlashAttention.apply(q, q, q, True), [q]),
@@ -330,7 +330,7 @@ def _double_backward_cases():
 
 _registry.register(_registry.Op(
     name="attention", entry_points=("flash_attention", "FlashAttention", "flash_attn_func", "flash_attn_varlen_func",
-                                    "flash_attn_with_kvcache"),
+                                    "flash_attn_with_kvcache", "FlashAttentionTorch"),
     reference="tritonlm.modules.functional.scaled_dot_product_attention",
     tunables=(_registry.Tunable("attention_fwd", _FWD_FIELDS, _FWD_CANDIDATES, _shipped(_fwd_config)),
               _registry.Tunable("attention_bwd", _FIELDS, _BWD_CANDIDATES, _shipped(_bwd_config)),

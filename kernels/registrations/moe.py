@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import _registry, tuned
-from .launch import (
+from ..moe.launch import (
     BLOCK_M_GPU,
     ROW_TILE_CONFIGS,
     Spec,
@@ -15,7 +15,7 @@ from .launch import (
     moe_experts,
     moe_forward,
 )
-from .routing import Routing, max_tiles
+from ..moe.routing import Routing, max_tiles
 
 
 def _dot_kmac(c):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import _registry
-from .interface import chunk_gated_delta_rule, gated_delta_backward, gated_delta_forward
+from ..gated_delta.interface import chunk_gated_delta_rule, gated_delta_backward, gated_delta_forward
 
 
 def _layer_inputs(device, dtype, tokens: int, n_heads: int = 16, n_v_heads: int = 32, d: int = 128):
